@@ -1,0 +1,43 @@
+# Two commands on a fresh machine (each installs what it needs into .venv):
+#   make demo   the main job: a local 3-replica directory and a real workload
+#   make test   lint, types, proto drift, and the test suite
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck proto proto-check unit integration clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/kvdir demo
+
+proto: $(STAMP)
+	PYTHON=$(CURDIR)/$(PY) scripts/genproto.sh
+
+proto-check: $(STAMP)
+	PYTHON=$(CURDIR)/$(PY) scripts/genproto.sh --check
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+test: proto-check lint typecheck
+	$(VENV)/bin/pytest -q
+
+unit: $(STAMP)
+	$(VENV)/bin/pytest -q tests/unit tests/sim
+
+integration: $(STAMP)
+	$(VENV)/bin/pytest -q tests/integration
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

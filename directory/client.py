@@ -1,0 +1,197 @@
+"""Client of kvdir.v1.PrefixDirectory for agents, schedulers, the CLI and tests.
+
+It knows every replica's gRPC address, follows the leader hint servers send
+with UNAVAILABLE, and retries what is safe to retry within one deadline and
+a bounded number of attempts:
+
+- UNAVAILABLE / RESOURCE_EXHAUSTED (not applied): retried on the hinted leader
+  or the next replica.
+- unknown outcome: retried too, because every directory write is idempotent
+  (publishes carry generations, removes are guarded, registration is keyed by
+  incarnation); `retry_unknown=False` surfaces `OutcomeUnknown` instead.
+- INVALID_ARGUMENT: never retried; raised as `DirectoryError` with its reason.
+
+Exception tree::
+
+    DirectoryError            (code, reason, message)
+    +-- Unavailable           no replica could take the request in time
+    +-- OutcomeUnknown        a write may or may not have committed
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from proto.kvdir.v1 import directory_pb2 as pb
+from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
+
+ATTEMPTS_MAX = 16
+BACKOFF_S_MIN = 0.01
+BACKOFF_S_MAX = 0.2
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+_UNKNOWN = {grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+_MESSAGE_BYTES_MAX = 64 * 1024 * 1024
+
+
+class DirectoryError(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+
+
+class Unavailable(DirectoryError):
+    pass
+
+
+class OutcomeUnknown(DirectoryError):
+    pass
+
+
+def namespace(model: str, block_tokens: int, dtype: str = "", layout: str = "",
+              tp_rank: int = 0, tp_size: int = 0) -> pb.Namespace:
+    return pb.Namespace(model=model, dtype=dtype, block_tokens=block_tokens, layout=layout,
+                        tp_rank=tp_rank, tp_size=tp_size)
+
+
+class DirectoryClient:
+    def __init__(self, addresses: Sequence[str], timeout_s: float = 5.0,
+                 retry_unknown: bool = True, rng: random.Random | None = None) -> None:
+        if not addresses:
+            raise ValueError("at least one directory address is required")
+        self.addresses = list(addresses)
+        self.timeout_s = timeout_s
+        self.retry_unknown = retry_unknown
+        self._rng = rng or random.Random()
+        opts = [("grpc.max_send_message_length", _MESSAGE_BYTES_MAX),
+                ("grpc.max_receive_message_length", _MESSAGE_BYTES_MAX)]
+        self._channels = {a: grpc.insecure_channel(a, options=opts) for a in self.addresses}
+        self._stubs = {a: pb_grpc.PrefixDirectoryStub(c) for a, c in self._channels.items()}
+        self._preferred = 0
+        self.retries = 0
+
+    def close(self) -> None:
+        for c in self._channels.values():
+            c.close()
+
+    def __enter__(self) -> DirectoryClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stub(self, address: str) -> pb_grpc.PrefixDirectoryStub:
+        return self._stubs[address]
+
+    def _next_address(self, hint: str) -> None:
+        if hint and hint in self._stubs:
+            self._preferred = self.addresses.index(hint)
+        else:
+            self._preferred = (self._preferred + 1) % len(self.addresses)
+
+    def call(self, method: str, request: Any, timeout_s: float | None = None,
+             address: str | None = None) -> Any:
+        """Call `method` with retries (see the module docstring) within one deadline."""
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        last: grpc.RpcError | None = None
+        for attempt in range(ATTEMPTS_MAX):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            target = address or self.addresses[self._preferred]
+            try:
+                return getattr(self._stubs[target], method)(request, timeout=remaining)
+            except grpc.RpcError as e:
+                last = e
+                code = e.code()
+                md = dict(e.trailing_metadata() or ())
+                unknown = md.get("kvdir-outcome") == "unknown" or code in _UNKNOWN
+                if code == grpc.StatusCode.INVALID_ARGUMENT or code not in (
+                        _RETRYABLE | _UNKNOWN):
+                    raise DirectoryError(code, e.details() or code.name,
+                                         str(md.get("kvdir-reason", ""))) from e
+                if unknown and not self.retry_unknown:
+                    raise OutcomeUnknown(code, e.details() or code.name) from e
+                if address is None:
+                    self._next_address(str(md.get("kvdir-leader", "")))
+            self.retries += 1
+            pause = min(BACKOFF_S_MAX, BACKOFF_S_MIN * (2 ** attempt))
+            time.sleep(min(pause * (0.5 + self._rng.random()), max(0.0, deadline - time.monotonic())))
+        detail = last.details() if last is not None else "deadline passed"
+        code = last.code() if last is not None else grpc.StatusCode.DEADLINE_EXCEEDED
+        cls = OutcomeUnknown if code in _UNKNOWN else Unavailable
+        raise cls(code, f"directory unavailable after retries: {detail}")
+
+    # ------------------------------------------------------------- writes
+
+    def register_node(self, node_id: str, host: str, incarnation: int, endpoint: str = "",
+                      transports: Sequence[str] = (), lease_ms: int = 0
+                      ) -> pb.RegisterNodeResponse:
+        req = pb.RegisterNodeRequest(node_id=node_id, host=host, agent_endpoint=endpoint,
+                                     transports=transports, incarnation=incarnation,
+                                     lease_ms=lease_ms)
+        resp: pb.RegisterNodeResponse = self.call("RegisterNode", req)
+        return resp
+
+    def heartbeat(self, node_id: str, incarnation: int) -> pb.HeartbeatResponse:
+        resp: pb.HeartbeatResponse = self.call(
+            "Heartbeat", pb.HeartbeatRequest(node_id=node_id, incarnation=incarnation))
+        return resp
+
+    def publish(self, node_id: str, incarnation: int, ns: pb.Namespace, tier: int,
+                hashes: Sequence[bytes], addresses: Sequence[int], lengths: Sequence[int],
+                rkeys: Sequence[int], generations: Sequence[int]) -> pb.PublishResponse:
+        req = pb.PublishRequest(node_id=node_id, incarnation=incarnation, namespace=ns,
+                                tier=tier, block_hashes=hashes, addresses=addresses,
+                                lengths=lengths, rkeys=rkeys, generations=generations)
+        resp: pb.PublishResponse = self.call("Publish", req)
+        return resp
+
+    def remove(self, node_id: str, incarnation: int, ns: pb.Namespace, tier: int,
+               hashes: Sequence[bytes], generations: Sequence[int] = ()) -> pb.RemoveResponse:
+        req = pb.RemoveRequest(node_id=node_id, incarnation=incarnation, namespace=ns,
+                               tier=tier, block_hashes=hashes, generations=generations)
+        resp: pb.RemoveResponse = self.call("Remove", req)
+        return resp
+
+    def clear_node(self, node_id: str, incarnation: int, ns: pb.Namespace | None = None,
+                   deregister: bool = False) -> pb.ClearNodeResponse:
+        req = pb.ClearNodeRequest(node_id=node_id, incarnation=incarnation,
+                                  deregister=deregister)
+        if ns is not None:
+            req.namespace.CopyFrom(ns)
+        resp: pb.ClearNodeResponse = self.call("ClearNode", req)
+        return resp
+
+    # -------------------------------------------------------------- reads
+
+    def lookup(self, ns: pb.Namespace, chain: Sequence[bytes], max_nodes: int = 0,
+               exclude_node: str = "", linearizable: bool = False,
+               address: str | None = None, omit_records: bool = False) -> pb.LookupResponse:
+        req = pb.LookupRequest(namespace=ns, block_hashes=chain, max_nodes=max_nodes,
+                               exclude_node=exclude_node, linearizable=linearizable,
+                               omit_records=omit_records)
+        resp: pb.LookupResponse = self.call("Lookup", req, address=address)
+        return resp
+
+    def lookup_batch(self, lookups: Sequence[pb.LookupRequest], linearizable: bool = False,
+                     address: str | None = None) -> pb.LookupBatchResponse:
+        req = pb.LookupBatchRequest(lookups=lookups, linearizable=linearizable)
+        resp: pb.LookupBatchResponse = self.call("LookupBatch", req, address=address)
+        return resp
+
+    def list_nodes(self, address: str | None = None) -> pb.ListNodesResponse:
+        resp: pb.ListNodesResponse = self.call("ListNodes", pb.ListNodesRequest(),
+                                               address=address)
+        return resp
+
+    def status(self, address: str) -> pb.ClusterStatusResponse:
+        """One replica's own view (no failover: the caller asked for that replica)."""
+        resp: pb.ClusterStatusResponse = self.call("ClusterStatus", pb.ClusterStatusRequest(),
+                                                   address=address)
+        return resp

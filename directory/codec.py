@@ -1,0 +1,292 @@
+"""Explicit, versioned byte form of the replicated commands (never pickle).
+
+Layout: ``b"K"``, a format version byte, a command type byte, then the
+command's fields little-endian. Strings are u16-length-prefixed UTF-8. A batch
+of hashes is u32 count, then either mode 0 (all the same length: u8 length and
+the concatenation, the common case) or mode 1 (a u8 length per hash, then the
+concatenation). Numeric columns are packed with one `struct` call each, since
+per-entry Python work is what bounds publish throughput.
+
+A reader refuses a version it does not know, so a replica running older code
+stops loudly instead of misreading a newer log.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+
+from directory.commands import (
+    Barrier,
+    ClearNode,
+    Command,
+    ExpireNodes,
+    Heartbeat,
+    Publish,
+    RegisterNode,
+    Remove,
+)
+from directory.limits import HASH_BYTES_MAX
+
+MAGIC = b"K"
+VERSION = 1
+
+_T_REGISTER = 1
+_T_HEARTBEAT = 2
+_T_PUBLISH = 3
+_T_REMOVE = 4
+_T_CLEAR = 5
+_T_EXPIRE = 6
+_T_BARRIER = 7
+
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+class CodecError(ValueError):
+    """The bytes are not a command this version can read."""
+
+
+class _Writer:
+    __slots__ = ("parts",)
+
+    def __init__(self, kind: int) -> None:
+        self.parts: list[bytes] = [MAGIC, bytes((VERSION, kind))]
+
+    def u8(self, v: int) -> None:
+        self.parts.append(_U8.pack(v))
+
+    def u32(self, v: int) -> None:
+        self.parts.append(_U32.pack(v))
+
+    def u64(self, v: int) -> None:
+        self.parts.append(_U64.pack(v))
+
+    def str(self, s: str) -> None:
+        b = s.encode()
+        self.parts.append(_U16.pack(len(b)))
+        self.parts.append(b)
+
+    def column(self, code: str, values: Sequence[int]) -> None:
+        self.parts.append(struct.pack(f"<{len(values)}{code}", *values))
+
+    def hashes(self, hs: Sequence[bytes]) -> None:
+        n = len(hs)
+        self.parts.append(_U32.pack(n))
+        width = len(hs[0]) if n else 0
+        if all(len(h) == width for h in hs):
+            self.parts.append(bytes((0, width)))
+        else:
+            self.parts.append(b"\x01")
+            self.parts.append(bytes(len(h) for h in hs))
+        self.parts.append(b"".join(hs))
+
+    def done(self) -> bytes:
+        return b"".join(self.parts)
+
+
+class _Reader:
+    __slots__ = ("buf", "pos")
+
+    def __init__(self, buf: bytes, pos: int) -> None:
+        self.buf = buf
+        self.pos = pos
+
+    def take(self, n: int) -> bytes:
+        end = self.pos + n
+        if end > len(self.buf):
+            raise CodecError("truncated command")
+        out = self.buf[self.pos : end]
+        self.pos = end
+        return out
+
+    def u8(self) -> int:
+        return self.take(1)[0]
+
+    def u16(self) -> int:
+        return int(_U16.unpack(self.take(2))[0])
+
+    def u32(self) -> int:
+        return int(_U32.unpack(self.take(4))[0])
+
+    def u64(self) -> int:
+        return int(_U64.unpack(self.take(8))[0])
+
+    def str(self) -> str:
+        try:
+            return self.take(self.u16()).decode()
+        except UnicodeDecodeError as e:
+            raise CodecError("string is not UTF-8") from e
+
+    def column(self, code: str, n: int) -> list[int]:
+        size = struct.calcsize(f"<{n}{code}")
+        return list(struct.unpack(f"<{n}{code}", self.take(size)))
+
+    def hashes(self) -> list[bytes]:
+        n = self.u32()
+        mode = self.u8()
+        if mode == 0:
+            w = self.u8()
+            if n and not 1 <= w <= HASH_BYTES_MAX:
+                raise CodecError(f"hash width {w} out of range")
+            blob = self.take(n * w)
+            return [blob[i : i + w] for i in range(0, n * w, w)]
+        if mode != 1:
+            raise CodecError(f"unknown hash mode {mode}")
+        widths = self.take(n)
+        out: list[bytes] = []
+        blob = self.take(sum(widths))
+        pos = 0
+        for w in widths:
+            if not 1 <= w <= HASH_BYTES_MAX:
+                raise CodecError(f"hash width {w} out of range")
+            out.append(blob[pos : pos + w])
+            pos += w
+        return out
+
+    def end(self) -> None:
+        if self.pos != len(self.buf):
+            raise CodecError(f"{len(self.buf) - self.pos} trailing bytes")
+
+
+def encode(cmd: Command) -> bytes:
+    """Encode a command; the caller has validated field ranges."""
+    match cmd:
+        case RegisterNode():
+            w = _Writer(_T_REGISTER)
+            w.str(cmd.node_id)
+            w.str(cmd.host)
+            w.str(cmd.endpoint)
+            w.u8(len(cmd.transports))
+            for t in cmd.transports:
+                w.str(t)
+            w.u64(cmd.incarnation)
+            w.u32(cmd.lease_ms)
+            w.u64(cmd.now_ms)
+        case Heartbeat():
+            w = _Writer(_T_HEARTBEAT)
+            w.str(cmd.node_id)
+            w.u64(cmd.incarnation)
+            w.u64(cmd.now_ms)
+        case Publish():
+            w = _Writer(_T_PUBLISH)
+            _node_ns_tier(w, cmd.node_id, cmd.incarnation, cmd.namespace, cmd.tier)
+            w.hashes(cmd.hashes)
+            w.column("Q", cmd.addresses)
+            w.column("I", cmd.lengths)
+            w.column("I", cmd.rkeys)
+            w.column("Q", cmd.generations)
+        case Remove():
+            w = _Writer(_T_REMOVE)
+            _node_ns_tier(w, cmd.node_id, cmd.incarnation, cmd.namespace, cmd.tier)
+            w.hashes(cmd.hashes)
+            w.u32(len(cmd.generations))
+            w.column("Q", cmd.generations)
+        case ClearNode():
+            w = _Writer(_T_CLEAR)
+            w.str(cmd.node_id)
+            w.u64(cmd.incarnation)
+            w.u8(cmd.namespace is not None)
+            if cmd.namespace is not None:
+                w.str(cmd.namespace)
+            w.u8(cmd.deregister)
+        case ExpireNodes():
+            w = _Writer(_T_EXPIRE)
+            w.u64(cmd.now_ms)
+            w.u32(len(cmd.nodes))
+            for node_id, incarnation in cmd.nodes:
+                w.str(node_id)
+                w.u64(incarnation)
+        case Barrier():
+            w = _Writer(_T_BARRIER)
+    return w.done()
+
+
+def _node_ns_tier(w: _Writer, node_id: str, incarnation: int, namespace: str, tier: int) -> None:
+    w.str(node_id)
+    w.u64(incarnation)
+    w.str(namespace)
+    w.u8(tier)
+
+
+def _register(r: _Reader) -> Command:
+    node_id, host, endpoint = r.str(), r.str(), r.str()
+    transports = tuple(r.str() for _ in range(r.u8()))
+    return RegisterNode(node_id, host, endpoint, transports, r.u64(), r.u32(), r.u64())
+
+
+def _heartbeat(r: _Reader) -> Command:
+    return Heartbeat(r.str(), r.u64(), r.u64())
+
+
+def _publish(r: _Reader) -> Command:
+    node_id, incarnation, namespace, tier = r.str(), r.u64(), r.str(), r.u8()
+    hashes = r.hashes()
+    n = len(hashes)
+    return Publish(
+        node_id,
+        incarnation,
+        namespace,
+        tier,
+        hashes,
+        r.column("Q", n),
+        r.column("I", n),
+        r.column("I", n),
+        r.column("Q", n),
+    )
+
+
+def _remove(r: _Reader) -> Command:
+    node_id, incarnation, namespace, tier = r.str(), r.u64(), r.str(), r.u8()
+    hashes = r.hashes()
+    generations = r.column("Q", r.u32())
+    if generations and len(generations) != len(hashes):
+        raise CodecError("generations do not match hashes")
+    return Remove(node_id, incarnation, namespace, tier, hashes, generations)
+
+
+def _clear(r: _Reader) -> Command:
+    node_id, incarnation = r.str(), r.u64()
+    namespace = r.str() if r.u8() else None
+    return ClearNode(node_id, incarnation, namespace, bool(r.u8()))
+
+
+def _expire(r: _Reader) -> Command:
+    now_ms = r.u64()
+    nodes = tuple((r.str(), r.u64()) for _ in range(r.u32()))
+    return ExpireNodes(now_ms, nodes)
+
+
+def _barrier(_r: _Reader) -> Command:
+    return Barrier()
+
+
+_DECODERS: dict[int, Callable[[_Reader], Command]] = {
+    _T_REGISTER: _register,
+    _T_HEARTBEAT: _heartbeat,
+    _T_PUBLISH: _publish,
+    _T_REMOVE: _remove,
+    _T_CLEAR: _clear,
+    _T_EXPIRE: _expire,
+    _T_BARRIER: _barrier,
+}
+
+
+def decode(buf: bytes) -> Command:
+    """Decode one command; raises CodecError on anything malformed."""
+    if len(buf) < 3 or buf[:1] != MAGIC:
+        raise CodecError("not a kvdir command")
+    if buf[1] != VERSION:
+        raise CodecError(f"command format version {buf[1]} is not supported (this is {VERSION})")
+    decoder = _DECODERS.get(buf[2])
+    if decoder is None:
+        raise CodecError(f"unknown command type {buf[2]}")
+    r = _Reader(buf, 3)
+    try:
+        cmd = decoder(r)
+    except struct.error as e:
+        raise CodecError(str(e)) from e
+    r.end()
+    return cmd

@@ -1,0 +1,145 @@
+"""The replicated commands and their results, as plain data.
+
+Every change to the directory is one of these commands, decided by the leader
+(which stamps its clock reading into the command) and applied identically by
+every replica. They carry no behaviour; `table.Table.apply` interprets them and
+`codec` gives them an explicit, versioned byte form.
+
+Ordering contract: a command is applied only after Raft commits it, and a
+result is reported to the caller only after the local replica applied it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class Tier(IntEnum):
+    """Where a holder keeps a block (values match kvdir.v1.Tier)."""
+
+    GPU = 1
+    HOST = 2
+
+
+@dataclass(frozen=True, slots=True)
+class RegisterNode:
+    node_id: str
+    host: str
+    endpoint: str
+    transports: tuple[str, ...]
+    incarnation: int
+    lease_ms: int
+    now_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat:
+    node_id: str
+    incarnation: int
+    now_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Publish:
+    """A batch of (block, holder-record) entries from one node, one tier."""
+
+    node_id: str
+    incarnation: int
+    namespace: str
+    tier: int
+    hashes: list[bytes]
+    addresses: list[int]
+    lengths: list[int]
+    rkeys: list[int]
+    generations: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Remove:
+    """Drop a node's records; `generations` empty means any generation."""
+
+    node_id: str
+    incarnation: int
+    namespace: str
+    tier: int
+    hashes: list[bytes]
+    generations: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ClearNode:
+    """Drop a node's records (in one namespace, or all); optionally forget it."""
+
+    node_id: str
+    incarnation: int
+    namespace: str | None
+    deregister: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ExpireNodes:
+    """Leader-proposed: drop these (node, incarnation)s if still expired at now_ms."""
+
+    now_ms: int
+    nodes: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Barrier:
+    """A no-op whose commit proves the replica has applied everything before it."""
+
+
+Command = RegisterNode | Heartbeat | Publish | Remove | ClearNode | ExpireNodes | Barrier
+
+
+class Reject(IntEnum):
+    """Why a well-formed command was refused by the state machine."""
+
+    UNKNOWN_NODE = 1
+    STALE_INCARNATION = 2
+    BAD_TIER = 3
+    BAD_BATCH = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    reason: Reject
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Registered:
+    lease_expiry_ms: int
+    lease_ms: int
+    replaced_incarnation: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Renewed:
+    lease_expiry_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    applied: int
+    stale: int
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    removed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Expired:
+    nodes: tuple[str, ...]
+    removed: int
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """Result of a Barrier."""
+
+
+Result = Rejected | Registered | Renewed | Published | Removed | Expired | Done

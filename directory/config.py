@@ -1,0 +1,130 @@
+"""Configuration of one directory replica: a TOML file, overridable by flags.
+
+Example (deploy/config/directory.toml has a commented one)::
+
+    replica_id = "r1"
+    raft_address = "10.0.0.1:7001"
+    grpc_address = "10.0.0.1:7101"
+    metrics_address = "10.0.0.1:7201"
+    data_dir = "/var/lib/kvdir/r1"
+
+    [[peers]]
+    replica_id = "r2"
+    raft_address = "10.0.0.2:7001"
+    grpc_address = "10.0.0.2:7101"
+
+    [limits]          # directory.limits.RequestLimits fields
+    chain_blocks_max = 4096
+
+    [raft]            # directory.raft.RaftTuning fields
+    election_min_s = 0.15
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from typing import Any
+
+from directory.limits import LEASE_MS_DEFAULT, RequestLimits
+from directory.raft import RaftTuning
+
+
+class ConfigError(ValueError):
+    """The configuration is unusable; the message says which field and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    replica_id: str
+    raft_address: str
+    grpc_address: str
+
+
+@dataclass(frozen=True, slots=True)
+class DirectoryConfig:
+    replica_id: str
+    raft_address: str
+    grpc_address: str
+    data_dir: str
+    peers: tuple[Peer, ...] = ()
+    metrics_address: str = ""
+    lease_default_ms: int = LEASE_MS_DEFAULT
+    lease_sweep_ms: int = 250
+    enable_echo: bool = False
+    grpc_workers: int = 32
+    log_format: str = "json"
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    raft: RaftTuning = field(default_factory=RaftTuning)
+
+    def grpc_of_raft(self) -> dict[str, str]:
+        """Raft address -> gRPC address for every member (for leader hints)."""
+        out = {p.raft_address: p.grpc_address for p in self.peers}
+        out[self.raft_address] = self.grpc_address
+        return out
+
+    def replica_of_raft(self) -> dict[str, str]:
+        out = {p.raft_address: p.replica_id for p in self.peers}
+        out[self.raft_address] = self.replica_id
+        return out
+
+
+def _sub(cls: Any, raw: Any, section: str) -> Any:
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        raise ConfigError(f"[{section}] must be a table")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"[{section}] has unknown keys: {', '.join(unknown)}")
+    return cls(**raw)
+
+
+def from_dict(raw: dict[str, Any]) -> DirectoryConfig:
+    raw = dict(raw)
+    peers_raw = raw.pop("peers", [])
+    if not isinstance(peers_raw, list):
+        raise ConfigError("peers must be an array of tables")
+    try:
+        peers = tuple(Peer(**p) for p in peers_raw)
+    except TypeError as e:
+        raise ConfigError(f"bad [[peers]] entry: {e}") from e
+    limits = _sub(RequestLimits, raw.pop("limits", None), "limits")
+    tuning = _sub(RaftTuning, raw.pop("raft", None), "raft")
+    names = {f.name for f in dataclasses.fields(DirectoryConfig)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"unknown keys: {', '.join(unknown)}")
+    missing = [n for n in ("replica_id", "raft_address", "grpc_address", "data_dir")
+               if not raw.get(n)]
+    if missing:
+        raise ConfigError(f"missing required keys: {', '.join(missing)}")
+    cfg = DirectoryConfig(peers=peers, limits=limits, raft=tuning, **raw)
+    ids = [cfg.replica_id, *(p.replica_id for p in peers)]
+    if len(set(ids)) != len(ids):
+        raise ConfigError("replica ids must be unique")
+    return cfg
+
+
+def load(path: str, overrides: dict[str, Any] | None = None) -> DirectoryConfig:
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from e
+    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    return from_dict(raw)
+
+
+def parse_peer(spec: str) -> Peer:
+    """A peer from a flag: ``ID=RAFT_HOST:PORT,GRPC_HOST:PORT``."""
+    try:
+        rid, addrs = spec.split("=", 1)
+        raft, grpc_addr = addrs.split(",", 1)
+    except ValueError as e:
+        raise ConfigError(f"peer {spec!r} is not ID=RAFT_ADDR,GRPC_ADDR") from e
+    return Peer(rid, raft, grpc_addr)

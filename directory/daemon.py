@@ -1,0 +1,162 @@
+"""Assemble and run one directory replica: Raft, gRPC, health, metrics, leases.
+
+`DirectoryDaemon.start()` returns once the Raft port is bound and the gRPC
+server listens; `stop()` hands leadership away first when this replica leads,
+so a planned restart costs the cluster no election timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent import futures
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from directory.config import DirectoryConfig
+from directory.metrics import DirectoryMetrics
+from directory.raft import DirectoryReplica
+from directory.server import (
+    SERVICE_NAME,
+    Clock,
+    DirectoryService,
+    EchoService,
+    LeaseSweeper,
+    WallClock,
+)
+from proto.kvdir.v1 import directory_pb2 as pb
+from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvdir.directory")
+
+HEALTH_INTERVAL_S = 0.1
+APPLY_LAG_SERVING_MAX = 1000
+"""A replica more than this many entries behind its commit index is catching up."""
+GRPC_MESSAGE_BYTES_MAX = 64 * 1024 * 1024
+
+
+class StartError(RuntimeError):
+    """The replica could not start (port taken, unreadable data dir, ...)."""
+
+
+class DirectoryDaemon:
+    def __init__(self, cfg: DirectoryConfig, clock: Clock | None = None) -> None:
+        self.cfg = cfg
+        self.clock = clock or WallClock()
+        self.metrics = DirectoryMetrics()
+        self._role = 0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self.replica: DirectoryReplica | None = None
+        self.server: grpc.Server | None = None
+        self.health = health.HealthServicer()
+        self._metrics_server: Any = None
+
+    def _on_state_changed(self, old: int, new: int) -> None:
+        self._role = new
+        log.info("raft role changed", extra={"from": old, "to": new})
+
+    def start(self) -> None:
+        cfg = self.cfg
+        try:
+            self.replica = DirectoryReplica(
+                cfg.raft_address, [p.raft_address for p in cfg.peers], cfg.data_dir, cfg.raft,
+                on_state_changed=self._on_state_changed)
+        except OSError as e:
+            raise StartError(f"cannot open data dir {cfg.data_dir}: {e}") from e
+        try:
+            self.replica.waitBinded()
+        except Exception as e:
+            self.replica.destroy()
+            raise StartError(f"cannot bind raft address {cfg.raft_address}") from e
+        replica = self.replica
+        service = DirectoryService(cfg, replica, self.metrics, lambda: self._role, self.clock)
+        self.metrics.bind(
+            role=lambda: self._role, term=lambda: replica.raftCurrentTerm,
+            commit_index=lambda: replica.raftCommitIndex,
+            applied_index=lambda: replica.raftLastApplied,
+            has_leader=lambda: 0 if replica.leader_address() is None else 1,
+            entries=lambda: replica.table.entries, nodes=lambda: len(replica.table.nodes),
+            namespaces=lambda: len(replica.table.ns_names))
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers,
+                                       thread_name_prefix="kvdir-grpc"),
+            maximum_concurrent_rpcs=cfg.grpc_workers * 8,
+            options=[("grpc.max_send_message_length", GRPC_MESSAGE_BYTES_MAX),
+                     ("grpc.max_receive_message_length", GRPC_MESSAGE_BYTES_MAX),
+                     ("grpc.so_reuseport", 0)])
+        pb_grpc.add_PrefixDirectoryServicer_to_server(service, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        if cfg.enable_echo:
+            pb_grpc.add_EchoServicer_to_server(EchoService(), server)
+            names.append(pb.DESCRIPTOR.services_by_name["Echo"].full_name)
+        reflection.enable_server_reflection(names, server)
+        try:
+            server.add_insecure_port(cfg.grpc_address)
+        except RuntimeError as e:
+            replica.destroy()
+            raise StartError(f"cannot listen on gRPC address {cfg.grpc_address}") from e
+        server.start()
+        self.server = server
+        if cfg.metrics_address:
+            host, _, port = cfg.metrics_address.rpartition(":")
+            try:
+                self._metrics_server, _ = start_http_server(int(port), host,
+                                                            self.metrics.registry)
+            except OSError as e:
+                self.stop()
+                raise StartError(f"cannot serve metrics on {cfg.metrics_address}: {e}") from e
+        sweeper = LeaseSweeper(replica, self.clock, cfg.lease_sweep_ms, self.metrics,
+                               cfg.limits.write_timeout_ms / 1000)
+        sweeper.stop = self._stop
+        for name, target in (("kvdir-health", self._health_loop), ("kvdir-leases", sweeper.run)):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        log.info("directory replica started", extra={
+            "replica_id": cfg.replica_id, "raft": cfg.raft_address, "grpc": cfg.grpc_address,
+            "metrics": cfg.metrics_address, "peers": [p.replica_id for p in cfg.peers]})
+
+    def _serving(self) -> bool:
+        r = self.replica
+        if r is None or r.leader_address() is None:
+            return False
+        return bool(r.raftCommitIndex - r.raftLastApplied <= APPLY_LAG_SERVING_MAX)
+
+    def _health_loop(self) -> None:
+        last: bool | None = None
+        while not self._stop.wait(HEALTH_INTERVAL_S):
+            serving = self._serving()
+            if serving != last:
+                status = (health_pb2.HealthCheckResponse.SERVING if serving
+                          else health_pb2.HealthCheckResponse.NOT_SERVING)
+                self.health.set("", status)
+                self.health.set(SERVICE_NAME, status)
+                last = serving
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Leave gracefully: stop serving, hand over leadership, close."""
+        self._stop.set()
+        self.health.enter_graceful_shutdown()
+        r = self.replica
+        if r is not None and r._isLeader():
+            r.transferLeadership()
+            deadline = time.monotonic() + min(grace_s, 1.0)
+            while r._isLeader() and time.monotonic() < deadline:
+                time.sleep(0.01)
+        if self.server is not None:
+            self.server.stop(grace_s).wait(grace_s)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        if r is not None:
+            r.destroy()
+        log.info("directory replica stopped", extra={"replica_id": self.cfg.replica_id})
+
+    def wait(self) -> None:
+        self._stop.wait()

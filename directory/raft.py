@@ -1,0 +1,277 @@
+"""The thin pysyncobj adapter around the pure `Table`.
+
+One replicated entry point (`_apply_blob`) decodes an explicit command and
+delegates to `Table.apply`; everything else is plumbing: Raft tuned for ~1 ms
+writes and sub-second failover, write outcomes mapped to committed / not
+applied / unknown, batched linearizable-read barriers, and snapshots that copy
+on the Raft thread and write on another.
+
+Ordering contracts:
+- A write's outcome is reported only after this replica applied it (pysyncobj
+  calls back from its tick thread after the local apply).
+- `apply` and every read take `self.lock`, so a read sees a whole command or
+  none of it.
+- A linearizable read first commits a Barrier that was proposed *after* the
+  read arrived; everything committed before the read began is then applied.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
+from pysyncobj.config import SERIALIZER_STATE
+from pysyncobj.node import TCPNode
+
+from directory import codec, snapshot
+from directory.commands import Barrier, Command, Result
+from directory.table import Table
+
+log = logging.getLogger("kvdir.directory.raft")
+
+
+@dataclass(frozen=True, slots=True)
+class RaftTuning:
+    """Raft timing for a 2-core, loopback-or-LAN cluster.
+
+    pysyncobj's defaults batch appends every 100 ms (a write takes 100-200 ms).
+    Sending appends immediately gives ~1 ms writes; 150-300 ms election
+    timeouts with 30 ms heartbeats give sub-second failover.
+    """
+
+    append_entries_period_s: float = 0.03
+    election_min_s: float = 0.15
+    election_max_s: float = 0.3
+    connection_timeout_s: float = 1.0
+    leader_fallback_s: float = 1.0
+    """A leader cut off from the majority steps down after this long."""
+    compaction_min_entries: int = 20_000
+    compaction_min_time_s: float = 600.0
+    commands_queue_max: int = 20_000
+
+
+class Outcome(Enum):
+    COMMITTED = "committed"
+    NOT_APPLIED = "not_applied"
+    """Definitely not applied: safe to retry."""
+    UNKNOWN = "unknown"
+    """May or may not have committed (leader changed, or the wait timed out)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WriteResult:
+    outcome: Outcome
+    result: Result | None = None
+    reason: str = ""
+
+
+_NOT_APPLIED = {
+    FAIL_REASON.QUEUE_FULL: "raft command queue is full",
+    FAIL_REASON.MISSING_LEADER: "no leader (election in progress or no quorum)",
+    FAIL_REASON.DISCARDED: "discarded: a new leader overwrote the entry",
+    FAIL_REASON.NOT_LEADER: "the replica forwarded to is no longer leader",
+    FAIL_REASON.REQUEST_DENIED: "request denied by raft",
+}
+_UNKNOWN = {
+    FAIL_REASON.LEADER_CHANGED: "leader changed before the commit was confirmed",
+    FAIL_REASON.UNKNOWN_OUTCOME: "raft reported an unknown outcome",
+}
+
+
+def outcome_of(error: int) -> tuple[Outcome, str]:
+    if error == FAIL_REASON.SUCCESS:
+        return Outcome.COMMITTED, ""
+    if error in _NOT_APPLIED:
+        return Outcome.NOT_APPLIED, _NOT_APPLIED[error]
+    return Outcome.UNKNOWN, _UNKNOWN.get(error, f"raft error {error}")
+
+
+@dataclass(slots=True)
+class _Round:
+    """One barrier serving every linearizable read that joined it."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    outcome: WriteResult | None = None
+
+
+class DirectoryReplica(SyncObj):  # type: ignore[misc]
+    """One directory replica: the table, replicated by pysyncobj."""
+
+    def __init__(self, self_address: str, peer_addresses: list[str], data_dir: str,
+                 tuning: RaftTuning | None = None,
+                 on_state_changed: Callable[[int, int], None] | None = None) -> None:
+        tuning = tuning or RaftTuning()
+        os.makedirs(data_dir, exist_ok=True)
+        self.lock = threading.Lock()
+        self.table = Table()
+        self._snap_lock = threading.Lock()
+        self._snap_state = SERIALIZER_STATE.NOT_SERIALIZING
+        self.last_compaction_s = 0.0
+        self.compactions = 0
+        self._barrier_lock = threading.Lock()
+        self._barrier_inflight: _Round | None = None
+        self._barrier_next: _Round | None = None
+        self.dump_path = os.path.join(data_dir, "snapshot.bin")
+        conf = SyncObjConf(
+            appendEntriesUseBatch=False,
+            appendEntriesPeriod=tuning.append_entries_period_s,
+            raftMinTimeout=tuning.election_min_s,
+            raftMaxTimeout=tuning.election_max_s,
+            connectionTimeout=tuning.connection_timeout_s,
+            leaderFallbackTimeout=tuning.leader_fallback_s,
+            journalFile=os.path.join(data_dir, "journal.bin"),
+            fullDumpFile=self.dump_path,
+            serializer=self._serialize,
+            deserializer=self._deserialize,
+            serializeChecker=self._serialize_state,
+            logCompactionMinEntries=tuning.compaction_min_entries,
+            logCompactionMinTime=tuning.compaction_min_time_s,
+            logCompactionSplit=True,
+            dynamicMembershipChange=True,
+            commandsQueueSize=tuning.commands_queue_max,
+            onStateChanged=on_state_changed,
+        )
+        super().__init__(self_address, peer_addresses, conf)
+
+    # ------------------------------------------------------------ the one entry
+
+    @replicated  # type: ignore[untyped-decorator]
+    def _apply_blob(self, blob: bytes) -> Result:
+        cmd = codec.decode(blob)
+        with self.lock:
+            return self.table.apply(cmd)
+
+    # ------------------------------------------------------------------ writes
+
+    def submit(self, cmd: Command, callback: Callable[[WriteResult], None]) -> None:
+        """Propose `cmd`; `callback` runs once, on the Raft thread, with the outcome."""
+        blob = codec.encode(cmd)
+
+        def on_done(result: Result | None, error: int) -> None:
+            outcome, reason = outcome_of(error)
+            callback(WriteResult(outcome, result if outcome is Outcome.COMMITTED else None,
+                                 reason))
+
+        self._apply_blob(blob, callback=on_done)
+
+    def write(self, cmd: Command, timeout_s: float) -> WriteResult:
+        """Propose `cmd` and wait up to `timeout_s` for its outcome."""
+        done = threading.Event()
+        box: list[WriteResult] = []
+
+        def on_done(res: WriteResult) -> None:
+            box.append(res)
+            done.set()
+
+        self.submit(cmd, on_done)
+        if not done.wait(timeout_s):
+            return WriteResult(Outcome.UNKNOWN, None, f"no outcome within {timeout_s:.3f}s")
+        return box[0]
+
+    def barrier(self, timeout_s: float) -> WriteResult:
+        """Wait until this replica has applied everything committed before the call.
+
+        Reads that arrive while a barrier is in flight share the next one, so a
+        burst of linearizable reads costs two Raft round trips, not one each.
+        """
+        with self._barrier_lock:
+            if self._barrier_inflight is None:
+                rnd = self._barrier_inflight = _Round()
+                start = True
+            else:
+                if self._barrier_next is None:
+                    self._barrier_next = _Round()
+                rnd, start = self._barrier_next, False
+        if start:
+            self._start_round(rnd)
+        if not rnd.done.wait(timeout_s) or rnd.outcome is None:
+            return WriteResult(Outcome.UNKNOWN, None, f"no barrier within {timeout_s:.3f}s")
+        return rnd.outcome
+
+    def _start_round(self, rnd: _Round) -> None:
+        def finished(res: WriteResult) -> None:
+            rnd.outcome = res
+            rnd.done.set()
+            with self._barrier_lock:
+                nxt, self._barrier_next = self._barrier_next, None
+                self._barrier_inflight = nxt
+            if nxt is not None:
+                self._start_round(nxt)
+
+        self.submit(Barrier(), finished)
+
+    # ---------------------------------------------------------------- status
+
+    def role(self) -> int:
+        """0 follower, 1 candidate, 2 leader (pysyncobj's numbering)."""
+        return int(self.getStatus()["state"])
+
+    def leader_address(self) -> str | None:
+        leader = self._getLeader()
+        return None if leader is None else str(leader.address)
+
+    def members(self) -> list[tuple[str, bool, bool]]:
+        """(raft address, connected, is self) for every member."""
+        out = [(str(self.selfNode.address), True, True)]
+        for node in sorted(self.otherNodes, key=lambda n: str(n.address)):
+            out.append((str(node.address), bool(self.isNodeConnected(node)), False))
+        return out
+
+    # ------------------------------------------------------------- snapshots
+
+    def _serialize(self, _tmp_file: str, data: tuple[Any, Any, Any]) -> None:
+        """pysyncobj's compaction hook, on the Raft thread: capture, then write elsewhere.
+
+        pysyncobj renames `_tmp_file` into place as soon as this returns; we
+        leave it absent (so that rename fails harmlessly) and publish the dump
+        ourselves with an atomic rename when the writer finishes, reporting
+        progress through `_serialize_state`.
+        """
+        t0 = time.perf_counter()
+        with self._snap_lock:
+            self._snap_state = SERIALIZER_STATE.SERIALIZING
+        entry_last, entry_prev, cluster = data
+        image = snapshot.capture(self.table)
+        raft = {"cluster": sorted(str(n.address) for n in cluster)}
+        capture_s = time.perf_counter() - t0
+        threading.Thread(target=self._write_dump, name="kvdir-snapshot", daemon=True,
+                         args=(image, raft, [entry_last, entry_prev], t0, capture_s)).start()
+
+    def _write_dump(self, image: snapshot.Image, raft: dict[str, Any],
+                    entries: list[snapshot.RaftEntry], t0: float, capture_s: float) -> None:
+        try:
+            snapshot.write(image, self.dump_path, raft, entries)
+            state = SERIALIZER_STATE.SUCCESS
+            self.last_compaction_s = time.perf_counter() - t0
+            self.compactions += 1
+            log.info("compaction done", extra={"entries": image.meta["entries"],
+                                               "capture_s": round(capture_s, 4),
+                                               "total_s": round(self.last_compaction_s, 4)})
+        except Exception:
+            log.exception("compaction failed")
+            state = SERIALIZER_STATE.FAILED
+        with self._snap_lock:
+            self._snap_state = state
+
+    def _serialize_state(self) -> int:
+        with self._snap_lock:
+            state = self._snap_state
+            if state in (SERIALIZER_STATE.SUCCESS, SERIALIZER_STATE.FAILED):
+                self._snap_state = SERIALIZER_STATE.NOT_SERIALIZING
+            return state
+
+    def _deserialize(self, path: str) -> tuple[Any, Any, Any]:
+        """Load a dump (at start, or one the leader sent): returns pysyncobj's metadata."""
+        table, raft, entries = snapshot.read(path)
+        with self.lock:
+            self.table = table
+        cluster = {TCPNode(addr) for addr in raft["cluster"]}
+        log.info("snapshot loaded", extra={"entries": table.entries})
+        return entries[0], entries[1], cluster

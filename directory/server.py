@@ -1,0 +1,356 @@
+"""The gRPC face of a directory replica: kvdir.v1.PrefixDirectory.
+
+Request handling is: validate (INVALID_ARGUMENT before anything is proposed),
+then either propose through Raft (writes) or read the local table under the
+replica lock (lookups; after a batched barrier when linearizable).
+
+Error contract (also in the .proto and docs/directory.md):
+
+- INVALID_ARGUMENT: malformed, over a limit, or refused by the state machine
+  (unknown node, stale incarnation); trailing metadata ``kvdir-reason``.
+- UNAVAILABLE: no leader / no quorum, or Raft definitely did not apply the
+  write; ``kvdir-outcome: not-applied`` and ``kvdir-leader`` (gRPC address of
+  the leader, when known). Safe to retry.
+- ABORTED or DEADLINE_EXCEEDED with ``kvdir-outcome: unknown``: the write may
+  or may not have committed. Every write is idempotent, so retry it.
+- RESOURCE_EXHAUSTED: too many writes waiting on Raft; retry with backoff.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NoReturn, Protocol, TypeVar
+
+import grpc
+
+from directory import validate
+from directory.commands import (
+    ClearNode,
+    Expired,
+    ExpireNodes,
+    Heartbeat,
+    Published,
+    Registered,
+    RegisterNode,
+    Rejected,
+    Removed,
+    Renewed,
+    Result,
+)
+from directory.config import DirectoryConfig
+from directory.limits import EXPIRE_NODES_PER_COMMAND_MAX
+from directory.metrics import DirectoryMetrics
+from directory.raft import DirectoryReplica, Outcome
+from directory.table import Match
+from proto.kvdir.v1 import directory_pb2 as pb
+from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
+
+log = logging.getLogger("kvdir.directory.server")
+
+SERVICE_NAME = "kvdir.v1.PrefixDirectory"
+_ROLE = {0: pb.ROLE_FOLLOWER, 1: pb.ROLE_CANDIDATE, 2: pb.ROLE_LEADER}
+_REJECT_REASON = {1: "unknown-node", 2: "stale-incarnation", 3: "bad-tier", 4: "bad-batch"}
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+class Clock(Protocol):
+    def now_ms(self) -> int: ...
+
+
+class WallClock:
+    """Milliseconds since the epoch; the leader stamps this into commands."""
+
+    def now_ms(self) -> int:
+        return time.time_ns() // 1_000_000
+
+
+def _rpc(method: Callable[[Any, Req, grpc.ServicerContext], Resp]
+         ) -> Callable[[Any, Req, grpc.ServicerContext], Resp]:
+    """Count and time an RPC, and turn a validation error into INVALID_ARGUMENT."""
+    name = method.__name__
+
+    @functools.wraps(method)
+    def wrapper(self: DirectoryService, request: Req, context: grpc.ServicerContext) -> Resp:
+        t0 = time.perf_counter()
+        try:
+            return method(self, request, context)
+        except validate.BadRequest as e:
+            context.set_trailing_metadata((("kvdir-reason", e.reason),))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            code = context.code() or grpc.StatusCode.OK  # type: ignore[attr-defined]
+            self.metrics.rpcs.labels(name, code.name).inc()
+            self.metrics.rpc_seconds.labels(name).observe(time.perf_counter() - t0)
+
+    return wrapper
+
+
+class DirectoryService(pb_grpc.PrefixDirectoryServicer):
+    def __init__(self, cfg: DirectoryConfig, replica: DirectoryReplica,
+                 metrics: DirectoryMetrics, role: Callable[[], int], clock: Clock) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self.limits = cfg.limits
+        self.replica = replica
+        self.metrics = metrics
+        self.role = role
+        self._grpc_of_raft = cfg.grpc_of_raft()
+        self._inflight = threading.BoundedSemaphore(cfg.limits.inflight_writes_max)
+
+    # --------------------------------------------------------------- helpers
+
+    def leader_grpc(self) -> str:
+        leader = self.replica.leader_address()
+        return "" if leader is None else self._grpc_of_raft.get(leader, "")
+
+    def _unavailable(self, context: grpc.ServicerContext, message: str) -> NoReturn:
+        context.set_trailing_metadata((("kvdir-outcome", "not-applied"),
+                                       ("kvdir-leader", self.leader_grpc())))
+        context.abort(grpc.StatusCode.UNAVAILABLE, message)
+
+    def _timeout_s(self, context: grpc.ServicerContext, limit_ms: int) -> float:
+        remaining = context.time_remaining()
+        limit = limit_ms / 1000
+        return limit if remaining is None else max(0.0, min(limit, remaining))
+
+    def _write(self, cmd: Any, context: grpc.ServicerContext) -> Result:
+        if self.replica.leader_address() is None:
+            self._unavailable(context, "no leader: the directory has no quorum right now")
+        if not self._inflight.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"over {self.limits.inflight_writes_max} writes waiting on raft")
+        try:
+            res = self.replica.write(cmd, self._timeout_s(context, self.limits.write_timeout_ms))
+        finally:
+            self._inflight.release()
+        self.metrics.write_outcomes.labels(res.outcome.value).inc()
+        if res.outcome is Outcome.NOT_APPLIED:
+            self._unavailable(context, f"not applied: {res.reason}")
+        if res.outcome is Outcome.UNKNOWN:
+            context.set_trailing_metadata((("kvdir-outcome", "unknown"),
+                                           ("kvdir-leader", self.leader_grpc())))
+            expired = (context.time_remaining() or 1.0) <= 0
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.ABORTED
+            context.abort(code, f"outcome unknown: {res.reason}; the write is idempotent, "
+                                "retry it")
+        result = res.result
+        if isinstance(result, Rejected):
+            context.set_trailing_metadata((("kvdir-reason", _REJECT_REASON[result.reason]),))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, result.message)
+        assert result is not None
+        return result
+
+    def read_info(self, linearizable: bool) -> pb.ReadInfo:
+        r = self.replica
+        return pb.ReadInfo(replica_id=self.cfg.replica_id, role=_ROLE[self.role()],
+                           applied_index=r.raftLastApplied, commit_index=r.raftCommitIndex,
+                           linearizable=linearizable)
+
+    def _barrier(self, context: grpc.ServicerContext) -> None:
+        if self.replica.leader_address() is None:
+            self._unavailable(context, "no leader: linearizable reads need a quorum")
+        res = self.replica.barrier(self._timeout_s(context, self.limits.barrier_timeout_ms))
+        if res.outcome is not Outcome.COMMITTED:
+            self._unavailable(context, f"linearizable read barrier failed: {res.reason}")
+        self.metrics.barriers.inc()
+
+    # ---------------------------------------------------------------- writes
+
+    @_rpc
+    def Publish(self, request: pb.PublishRequest,
+                context: grpc.ServicerContext) -> pb.PublishResponse:
+        cmd = validate.publish(request, self.limits)
+        self.metrics.publish_batch.observe(len(cmd.hashes))
+        res = self._write(cmd, context)
+        assert isinstance(res, Published)
+        return pb.PublishResponse(applied=res.applied, stale=res.stale,
+                                  applied_index=self.replica.raftLastApplied)
+
+    @_rpc
+    def Remove(self, request: pb.RemoveRequest,
+               context: grpc.ServicerContext) -> pb.RemoveResponse:
+        res = self._write(validate.remove(request, self.limits), context)
+        assert isinstance(res, Removed)
+        return pb.RemoveResponse(removed=res.removed, applied_index=self.replica.raftLastApplied)
+
+    @_rpc
+    def RegisterNode(self, request: pb.RegisterNodeRequest,
+                     context: grpc.ServicerContext) -> pb.RegisterNodeResponse:
+        nid, lease_ms = validate.registration(request, self.cfg.lease_default_ms)
+        cmd = RegisterNode(nid, request.host, request.agent_endpoint, tuple(request.transports),
+                           request.incarnation, lease_ms, self.clock.now_ms())
+        res = self._write(cmd, context)
+        assert isinstance(res, Registered)
+        log.info("node registered", extra={"node_id": nid, "incarnation": request.incarnation,
+                                           "replaced": res.replaced_incarnation})
+        return pb.RegisterNodeResponse(lease_expiry_ms=res.lease_expiry_ms,
+                                       lease_ms=res.lease_ms,
+                                       replaced_incarnation=res.replaced_incarnation)
+
+    @_rpc
+    def Heartbeat(self, request: pb.HeartbeatRequest,
+                  context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        cmd = Heartbeat(validate.node_id(request.node_id), request.incarnation,
+                        self.clock.now_ms())
+        res = self._write(cmd, context)
+        assert isinstance(res, Renewed)
+        return pb.HeartbeatResponse(lease_expiry_ms=res.lease_expiry_ms)
+
+    @_rpc
+    def ClearNode(self, request: pb.ClearNodeRequest,
+                  context: grpc.ServicerContext) -> pb.ClearNodeResponse:
+        ns = validate.namespace_key(request.namespace) if request.HasField("namespace") else None
+        cmd = ClearNode(validate.node_id(request.node_id), request.incarnation, ns,
+                        request.deregister)
+        res = self._write(cmd, context)
+        assert isinstance(res, Removed)
+        return pb.ClearNodeResponse(removed=res.removed)
+
+    # ----------------------------------------------------------------- reads
+
+    def _fill(self, out: Any, matches: list[Match], omit_records: bool) -> None:
+        """Append NodeMatch messages to `out` (call with the replica lock held)."""
+        table = self.replica.table
+        for m in matches:
+            node = m.node
+            nm = out.add(node_id=node.node_id, prefix_blocks=m.prefix_blocks, host=node.host,
+                         agent_endpoint=node.endpoint, transports=node.transports)
+            if not omit_records:
+                rec = table.records(m.slots)
+                nm.addresses.extend(rec.addresses)
+                nm.lengths.extend(rec.lengths)
+                nm.rkeys.extend(rec.rkeys)
+                nm.generations.extend(rec.generations)
+                nm.tiers.extend(rec.tiers)
+
+    @_rpc
+    def Lookup(self, request: pb.LookupRequest,
+               context: grpc.ServicerContext) -> pb.LookupResponse:
+        ns, chain, max_nodes = validate.lookup_chain(request, self.limits)
+        self.metrics.lookup_chain.observe(len(chain))
+        if request.linearizable:
+            self._barrier(context)
+        resp = pb.LookupResponse()
+        with self.replica.lock:
+            matches = self.replica.table.lookup(ns, chain, max_nodes, request.exclude_node)
+            self._fill(resp.matches, matches, request.omit_records)
+        resp.read.CopyFrom(self.read_info(request.linearizable))
+        return resp
+
+    @_rpc
+    def LookupBatch(self, request: pb.LookupBatchRequest,
+                    context: grpc.ServicerContext) -> pb.LookupBatchResponse:
+        if len(request.lookups) > self.limits.lookup_batch_max:
+            raise validate.BadRequest(
+                "too-many-lookups",
+                f"{len(request.lookups)} lookups is over the limit of "
+                f"{self.limits.lookup_batch_max}")
+        parsed = [validate.lookup_chain(lk, self.limits) for lk in request.lookups]
+        if request.linearizable:
+            self._barrier(context)
+        resp = pb.LookupBatchResponse()
+        table = self.replica.table
+        with self.replica.lock:
+            for lk, (ns, chain, max_nodes) in zip(request.lookups, parsed, strict=True):
+                matches = table.lookup(ns, chain, max_nodes, lk.exclude_node)
+                self._fill(resp.results.add().matches, matches, lk.omit_records)
+        resp.read.CopyFrom(self.read_info(request.linearizable))
+        return resp
+
+    @_rpc
+    def ListNodes(self, request: pb.ListNodesRequest,
+                  context: grpc.ServicerContext) -> pb.ListNodesResponse:
+        resp = pb.ListNodesResponse()
+        with self.replica.lock:
+            for n in sorted(self.replica.table.nodes.values(), key=lambda n: n.node_id):
+                resp.nodes.add(node_id=n.node_id, host=n.host, agent_endpoint=n.endpoint,
+                               transports=n.transports, incarnation=n.incarnation,
+                               lease_expiry_ms=n.lease_expiry_ms, entries=n.entries)
+        resp.read.CopyFrom(self.read_info(False))
+        return resp
+
+    @_rpc
+    def ClusterStatus(self, request: pb.ClusterStatusRequest,
+                      context: grpc.ServicerContext) -> pb.ClusterStatusResponse:
+        r = self.replica
+        status = r.getStatus()
+        leader = r.leader_address()
+        replica_of = self.cfg.replica_of_raft()
+        resp = pb.ClusterStatusResponse(
+            replica_id=self.cfg.replica_id, role=_ROLE[int(status["state"])],
+            leader_id=replica_of.get(leader or "", leader or ""),
+            leader_grpc_address=self.leader_grpc(), term=status["raft_term"],
+            commit_index=status["commit_idx"], applied_index=status["last_applied"],
+            has_quorum=bool(status["has_quorum"]), log_entries=status["log_len"],
+            last_compaction_s=r.last_compaction_s)
+        for addr, connected, is_self in r.members():
+            resp.members.add(replica_id=replica_of.get(addr, addr), raft_address=addr,
+                             grpc_address=self._grpc_of_raft.get(addr, ""),
+                             connected=connected, is_self=is_self)
+        with r.lock:
+            t = r.table
+            resp.entries, resp.blocks = t.entries, t.block_count
+            resp.nodes, resp.namespaces = len(t.nodes), len(t.ns_names)
+        return resp
+
+
+class EchoService(pb_grpc.EchoServicer):
+    """The benchmark's baseline: same server and transport, no directory work."""
+
+    RESPONSE_BYTES_MAX = 16 * 1024 * 1024
+
+    def Echo(self, request: pb.EchoRequest, context: grpc.ServicerContext) -> pb.EchoResponse:
+        if request.response_bytes > self.RESPONSE_BYTES_MAX:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "response_bytes over 16 MiB")
+        return pb.EchoResponse(payload=b"\x00" * request.response_bytes)
+
+
+class LeaseSweeper:
+    """On the leader, propose ExpireNodes for nodes whose lease ran out.
+
+    A new leader counts every lease as renewed when it took over (etcd's
+    lessor does the same): its predecessor may have accepted heartbeats it
+    never saw applied, and clocks of two replicas differ.
+    """
+
+    def __init__(self, replica: DirectoryReplica, clock: Clock, interval_ms: int,
+                 metrics: DirectoryMetrics, write_timeout_s: float) -> None:
+        self.replica = replica
+        self.clock = clock
+        self.interval_s = interval_ms / 1000
+        self.metrics = metrics
+        self.write_timeout_s = write_timeout_s
+        self.stop = threading.Event()
+        self.leader_since_ms: int | None = None
+
+    def run(self) -> None:
+        while not self.stop.wait(self.interval_s):
+            try:
+                self.sweep_once()
+            except Exception:
+                log.exception("lease sweep failed")
+
+    def sweep_once(self) -> None:
+        now = self.clock.now_ms()
+        if not self.replica._isLeader():
+            self.leader_since_ms = None
+            return
+        if self.leader_since_ms is None:
+            self.leader_since_ms = now
+        with self.replica.lock:
+            expired = self.replica.table.expired_nodes(now, EXPIRE_NODES_PER_COMMAND_MAX,
+                                                       grace_from_ms=self.leader_since_ms)
+        if not expired:
+            return
+        res = self.replica.write(ExpireNodes(now, tuple(expired)), self.write_timeout_s)
+        if res.outcome is Outcome.COMMITTED and isinstance(res.result, Expired):
+            self.metrics.lease_expiries.inc(len(res.result.nodes))
+            if res.result.nodes:
+                log.info("leases expired", extra={"nodes": list(res.result.nodes),
+                                                  "entries_removed": res.result.removed})

@@ -1,0 +1,208 @@
+"""Snapshot of a `Table` to a file and back, in an explicit binary format.
+
+Compaction must never stall the Raft thread (pysyncobj's stock snapshot
+pickles the whole state on the tick thread: 3.8 s at 1M entries, which causes
+elections). So a snapshot has two halves:
+
+- `capture(table)` runs on the Raft thread, between two applies, and only
+  copies: the numeric slot columns (one memcpy each), the key list (a pointer
+  copy) and each namespace's chain heads. ~20 ms per million entries.
+- `write(image, path)` runs on a background thread and does the slow part,
+  releasing the GIL often (chunked joins, file writes).
+
+File layout: ``MAGIC``, u32 header length, a JSON header (format version,
+sizes, namespaces, nodes, Raft metadata), then each numeric column as raw
+little-endian bytes, the key lengths (u8 per slot, 0 for a free slot), the
+concatenated keys, each namespace's head slots, and the Raft log entries
+pysyncobj hands us (u32 length, bytes, u64 index, u64 term each). Sizes are in
+the header, so a truncated file is detected rather than half-loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+from directory.table import NIL, NodeState, Table
+
+MAGIC = b"KVDSNAP\x00"
+FORMAT_VERSION = 1
+_CHUNK = 1 << 16
+
+RaftEntry = tuple[bytes, int, int]
+
+
+class SnapshotError(ValueError):
+    """The file is not a snapshot this version can load."""
+
+
+@dataclass(slots=True)
+class Image:
+    """A frozen copy of a table, cheap to take, independent of later applies."""
+
+    arrays: list[array[int]]
+    keys: list[bytes | None]
+    heads: list[list[int]]
+    meta: dict[str, Any]
+
+
+def capture(table: Table) -> Image:
+    """Copy the table's state; the only part that runs on the Raft thread."""
+    c = table.col
+    nodes = [
+        None if n is None else [n.node_id, n.host, n.endpoint, list(n.transports),
+                                n.incarnation, n.lease_ms, n.lease_expiry_ms, n.head, n.entries]
+        for n in table.node_by_idx
+    ]
+    meta = {
+        "format": FORMAT_VERSION,
+        "slots": len(c),
+        "free": table.free,
+        "entries": table.entries,
+        "namespaces": list(table.ns_names),
+        "nodes": nodes,
+        "free_node_idx": list(table.free_node_idx),
+    }
+    return Image(
+        arrays=[a[:] for a in c.arrays()],
+        keys=c.key[:],
+        heads=[list(b.values()) for b in table.blocks],
+        meta=meta,
+    )
+
+
+def _to_le(a: array[int]) -> array[int]:
+    if sys.byteorder == "little":
+        return a
+    b = a[:]
+    b.byteswap()
+    return b
+
+
+def _key_chunks(keys: list[bytes | None]) -> Iterator[tuple[bytes, bytes]]:
+    for i in range(0, len(keys), _CHUNK):
+        chunk = [k or b"" for k in keys[i : i + _CHUNK]]
+        yield bytes(len(k) for k in chunk), b"".join(chunk)
+
+
+def write(image: Image, path: str, raft: dict[str, Any], entries: list[RaftEntry]) -> None:
+    """Write `image` (plus pysyncobj's metadata) atomically to `path`."""
+    lengths = bytearray()
+    blobs: list[bytes] = []
+    for lens, blob in _key_chunks(image.keys):
+        lengths += lens
+        blobs.append(blob)
+    header = dict(image.meta)
+    header["raft"] = raft
+    header["array_bytes"] = [len(a) * a.itemsize for a in image.arrays]
+    header["keys_bytes"] = sum(len(b) for b in blobs)
+    header["head_counts"] = [len(h) for h in image.heads]
+    header["raft_entries"] = len(entries)
+    head_bytes = json.dumps(header, separators=(",", ":")).encode()
+    tmp = path + ".kvdir-tmp"
+    with open(tmp, "wb") as f:
+        f.write(MAGIC)
+        f.write(struct.pack("<I", len(head_bytes)))
+        f.write(head_bytes)
+        for a in image.arrays:
+            f.write(memoryview(_to_le(a)).cast("B"))
+        f.write(lengths)
+        for blob in blobs:
+            f.write(blob)
+        for h in image.heads:
+            f.write(memoryview(_to_le(array("I", h))).cast("B"))
+        for cmd, idx, term in entries:
+            f.write(struct.pack("<I", len(cmd)))
+            f.write(cmd)
+            f.write(struct.pack("<QQ", idx, term))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_exact(f: BinaryIO, n: int) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise SnapshotError("snapshot is truncated")
+    return data
+
+
+def _read_array(f: BinaryIO, code: str, nbytes: int) -> array[int]:
+    a = array(code)
+    a.frombytes(_read_exact(f, nbytes))
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a
+
+
+def read(path: str) -> tuple[Table, dict[str, Any], list[RaftEntry]]:
+    """Load a snapshot written by `write`."""
+    with open(path, "rb") as f:
+        if f.read(len(MAGIC)) != MAGIC:
+            raise SnapshotError(f"{path} is not a kvdir snapshot")
+        (hlen,) = struct.unpack("<I", _read_exact(f, 4))
+        header = json.loads(_read_exact(f, hlen))
+        if header.get("format") != FORMAT_VERSION:
+            raise SnapshotError(f"snapshot format {header.get('format')} is not supported")
+        table = Table()
+        c = table.col
+        cols = c.arrays()
+        for col, nbytes in zip(cols, header["array_bytes"], strict=True):
+            col.extend(_read_array(f, col.typecode, nbytes))
+        nslots = header["slots"]
+        lengths = _read_exact(f, nslots)
+        blob = _read_exact(f, header["keys_bytes"])
+        c.key = _split_keys(lengths, blob)
+        heads = [_read_array(f, "I", 4 * n) for n in header["head_counts"]]
+        entries: list[RaftEntry] = []
+        for _ in range(header["raft_entries"]):
+            (n,) = struct.unpack("<I", _read_exact(f, 4))
+            cmd = _read_exact(f, n)
+            idx, term = struct.unpack("<QQ", _read_exact(f, 16))
+            entries.append((cmd, idx, term))
+    _restore_meta(table, header, heads)
+    return table, header["raft"], entries
+
+
+def _split_keys(lengths: bytes, blob: bytes) -> list[bytes | None]:
+    keys: list[bytes | None] = []
+    pos = 0
+    for n in lengths:
+        if n:
+            keys.append(blob[pos : pos + n])
+            pos += n
+        else:
+            keys.append(None)
+    return keys
+
+
+def _restore_meta(table: Table, header: dict[str, Any], heads: list[array[int]]) -> None:
+    table.free = header["free"]
+    table.entries = header["entries"]
+    table.ns_names = list(header["namespaces"])
+    table.ns_ids = {name: i for i, name in enumerate(table.ns_names)}
+    keys = table.col.key
+    table.blocks = []
+    for h in heads:
+        table.blocks.append({keys[s]: s for s in h})  # type: ignore[misc]
+    for idx, rec in enumerate(header["nodes"]):
+        if rec is None:
+            table.node_by_idx.append(None)
+            continue
+        node = NodeState(rec[0], rec[1], rec[2], tuple(rec[3]), rec[4], rec[5], rec[6],
+                         rec[7], rec[8])
+        table.node_by_idx.append(node)
+        table.nodes[node.node_id] = node
+        table.node_idx[node.node_id] = idx
+    table.free_node_idx = list(header["free_node_idx"])
+    if table.free != NIL and not 0 <= table.free < len(keys):
+        raise SnapshotError("snapshot free list is corrupt")
+
+
+__all__ = ["Image", "SnapshotError", "capture", "read", "write"]

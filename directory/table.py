@@ -1,0 +1,515 @@
+"""The directory's state machine: a prefix table with no Raft, I/O or clock.
+
+`Table.apply(command)` is the only way state changes; it is deterministic (the
+same commands in the same order give the same state and results on every
+replica) and reads time only from the commands. Lookups are pure reads.
+
+Layout, chosen for memory (<= 200 bytes per (block, holder) entry at 10M) and
+cheap snapshots: holder records live in *slots*, parallel `array` columns
+indexed by slot number. Per namespace a dict maps a block hash to the first
+slot of its holder chain (singly linked through ``bnext``); per node a doubly
+linked list (``nprev``/``nnext``) threads all of its slots, so clearing or
+expiring a node costs its own entries, not the table's. Freed slots are
+reused through a free list chained through ``bnext``.
+
+Thread-safety: none here; the Raft adapter serialises `apply` against reads.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import repeat
+from operator import itemgetter
+
+from directory.commands import (
+    Barrier,
+    ClearNode,
+    Command,
+    Done,
+    Expired,
+    ExpireNodes,
+    Heartbeat,
+    Publish,
+    Published,
+    Registered,
+    RegisterNode,
+    Reject,
+    Rejected,
+    Remove,
+    Removed,
+    Renewed,
+    Result,
+    Tier,
+)
+from directory.limits import HOLDERS_PER_BLOCK_MAX
+
+NIL = 0xFFFFFFFF
+"""End of a slot chain, and the node index of a free slot."""
+
+_TIERS = frozenset(int(t) for t in Tier)
+
+
+def _getter(idx: list[int]) -> Callable[[Sequence[int]], object]:
+    """A C-level gather of `idx` from a column (`itemgetter` with one index
+    returns a scalar, not a tuple; `_tuple` undoes that)."""
+    return itemgetter(*idx)
+
+
+def _tuple(v: object) -> tuple[int, ...]:
+    return v if isinstance(v, tuple) else (v,)  # type: ignore[return-value]
+
+
+@dataclass(slots=True)
+class NodeState:
+    """A registered holder node (one per node id)."""
+
+    node_id: str
+    host: str
+    endpoint: str
+    transports: tuple[str, ...]
+    incarnation: int
+    lease_ms: int
+    lease_expiry_ms: int
+    head: int = NIL
+    """First slot of this node's entry list."""
+    entries: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Match:
+    """One node's contiguous prefix from block 0 and the slots holding it."""
+
+    node: NodeState
+    slots: list[int] = field(default_factory=list)
+
+    @property
+    def prefix_blocks(self) -> int:
+        return len(self.slots)
+
+
+@dataclass(frozen=True, slots=True)
+class Records:
+    """Holder records of a list of slots, as columns."""
+
+    addresses: tuple[int, ...]
+    lengths: tuple[int, ...]
+    rkeys: tuple[int, ...]
+    generations: tuple[int, ...]
+    tiers: tuple[int, ...]
+
+
+class Columns:
+    """The slot columns; one element per slot, free or used."""
+
+    __slots__ = ("addr", "bnext", "gen", "key", "length", "nnext", "node", "nprev", "ns", "rkey",
+                 "tier")
+
+    def __init__(self) -> None:
+        self.addr = array("Q")
+        self.length = array("I")
+        self.rkey = array("I")
+        self.gen = array("Q")
+        self.tier = array("B")
+        self.node = array("I")
+        self.ns = array("I")
+        self.bnext = array("I")
+        self.nprev = array("I")
+        self.nnext = array("I")
+        self.key: list[bytes | None] = []
+
+    def arrays(self) -> list[array[int]]:
+        """The numeric columns, in the snapshot's fixed order."""
+        return [self.addr, self.length, self.rkey, self.gen, self.tier, self.node, self.ns,
+                self.bnext, self.nprev, self.nnext]
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+
+class Table:
+    """The replicated prefix table. See the module docstring for the layout."""
+
+    def __init__(self) -> None:
+        self.col = Columns()
+        self.free = NIL
+        self.entries = 0
+        self.ns_ids: dict[str, int] = {}
+        self.ns_names: list[str] = []
+        self.blocks: list[dict[bytes, int]] = []
+        self.nodes: dict[str, NodeState] = {}
+        self.node_by_idx: list[NodeState | None] = []
+        self.node_idx: dict[str, int] = {}
+        self.free_node_idx: list[int] = []
+
+    # ----------------------------------------------------------------- apply
+
+    def apply(self, cmd: Command) -> Result:
+        """Apply one committed command. Deterministic; never raises on input."""
+        match cmd:
+            case Publish():
+                return self._publish(cmd)
+            case Remove():
+                return self._remove(cmd)
+            case Heartbeat():
+                return self._heartbeat(cmd)
+            case RegisterNode():
+                return self._register(cmd)
+            case ClearNode():
+                return self._clear(cmd)
+            case ExpireNodes():
+                return self._expire(cmd)
+            case Barrier():
+                return Done()
+
+    def _check_node(self, node_id: str, incarnation: int) -> NodeState | Rejected:
+        node = self.nodes.get(node_id)
+        if node is None:
+            return Rejected(Reject.UNKNOWN_NODE, f"node {node_id!r} is not registered")
+        if node.incarnation != incarnation:
+            return Rejected(
+                Reject.STALE_INCARNATION,
+                f"node {node_id!r} incarnation {incarnation} is not the current "
+                f"{node.incarnation}",
+            )
+        return node
+
+    def _register(self, cmd: RegisterNode) -> Result:
+        node = self.nodes.get(cmd.node_id)
+        expiry = cmd.now_ms + cmd.lease_ms
+        replaced = False
+        if node is not None and cmd.incarnation < node.incarnation:
+            return Rejected(
+                Reject.STALE_INCARNATION,
+                f"node {cmd.node_id!r} incarnation {cmd.incarnation} is older than the "
+                f"registered {node.incarnation}",
+            )
+        if node is not None and cmd.incarnation > node.incarnation:
+            # A restarted agent: nothing the old incarnation published is valid.
+            self._drop_node_entries(node, None)
+            replaced = True
+        if node is None:
+            node = NodeState(cmd.node_id, cmd.host, cmd.endpoint, cmd.transports,
+                             cmd.incarnation, cmd.lease_ms, expiry)
+            self._add_node(node)
+        node.host, node.endpoint, node.transports = cmd.host, cmd.endpoint, cmd.transports
+        node.incarnation, node.lease_ms = cmd.incarnation, cmd.lease_ms
+        node.lease_expiry_ms = max(node.lease_expiry_ms, expiry)
+        return Registered(node.lease_expiry_ms, node.lease_ms, replaced)
+
+    def _add_node(self, node: NodeState) -> None:
+        if self.free_node_idx:
+            idx = self.free_node_idx.pop()
+            self.node_by_idx[idx] = node
+        else:
+            idx = len(self.node_by_idx)
+            self.node_by_idx.append(node)
+        self.nodes[node.node_id] = node
+        self.node_idx[node.node_id] = idx
+
+    def _forget_node(self, node: NodeState) -> None:
+        idx = self.node_idx.pop(node.node_id)
+        del self.nodes[node.node_id]
+        self.node_by_idx[idx] = None
+        self.free_node_idx.append(idx)
+
+    def _heartbeat(self, cmd: Heartbeat) -> Result:
+        node = self._check_node(cmd.node_id, cmd.incarnation)
+        if isinstance(node, Rejected):
+            return node
+        node.lease_expiry_ms = max(node.lease_expiry_ms, cmd.now_ms + node.lease_ms)
+        return Renewed(node.lease_expiry_ms)
+
+    def _ns(self, namespace: str) -> int:
+        ns = self.ns_ids.get(namespace)
+        if ns is None:
+            ns = len(self.ns_names)
+            self.ns_ids[namespace] = ns
+            self.ns_names.append(namespace)
+            self.blocks.append({})
+        return ns
+
+    def _publish(self, cmd: Publish) -> Result:
+        node = self._check_node(cmd.node_id, cmd.incarnation)
+        if isinstance(node, Rejected):
+            return node
+        if cmd.tier not in _TIERS:
+            return Rejected(Reject.BAD_TIER, f"tier {cmd.tier} is not a holder tier")
+        n = len(cmd.hashes)
+        if not (len(cmd.addresses) == len(cmd.lengths) == len(cmd.rkeys)
+                == len(cmd.generations) == n):
+            return Rejected(Reject.BAD_BATCH, "publish columns differ in length")
+        ns = self._ns(cmd.namespace)
+        blocks = self.blocks[ns]
+        nidx = self.node_idx[cmd.node_id]
+        tier = cmd.tier
+        c = self.col
+        cnode, ctier, cnext, cgen = c.node, c.tier, c.bnext, c.gen
+        applied = stale = 0
+        for i, h in enumerate(cmd.hashes):
+            head = blocks.get(h, NIL)
+            s, count = head, 0
+            while s != NIL and not (cnode[s] == nidx and ctier[s] == tier):
+                s = cnext[s]
+                count += 1
+            gen = cmd.generations[i]
+            if s != NIL:
+                if gen < cgen[s]:
+                    stale += 1
+                    continue
+                c.addr[s], c.length[s], c.rkey[s], cgen[s] = (
+                    cmd.addresses[i], cmd.lengths[i], cmd.rkeys[i], gen)
+                applied += 1
+                continue
+            if count >= HOLDERS_PER_BLOCK_MAX:
+                self._evict_oldest_holder(blocks, h, head)
+                head = blocks.get(h, NIL)
+            s = self._alloc(ns, h, nidx, node)
+            c.addr[s], c.length[s], c.rkey[s], cgen[s], ctier[s] = (
+                cmd.addresses[i], cmd.lengths[i], cmd.rkeys[i], gen, tier)
+            cnext[s] = head
+            blocks[h] = s
+            applied += 1
+        return Published(applied, stale)
+
+    def _alloc(self, ns: int, key: bytes, nidx: int, node: NodeState) -> int:
+        """Take a slot, owned by `node`, linked at the head of the node's list."""
+        c = self.col
+        s = self.free
+        if s != NIL:
+            self.free = c.bnext[s]
+            c.key[s] = key
+            c.ns[s] = ns
+            c.node[s] = nidx
+        else:
+            s = len(c.key)
+            for col in (c.addr, c.gen):
+                col.append(0)
+            for col in (c.length, c.rkey, c.bnext, c.nprev, c.nnext):
+                col.append(NIL)
+            c.tier.append(0)
+            c.node.append(nidx)
+            c.ns.append(ns)
+            c.key.append(key)
+        c.nprev[s] = NIL
+        c.nnext[s] = node.head
+        if node.head != NIL:
+            c.nprev[node.head] = s
+        node.head = s
+        node.entries += 1
+        self.entries += 1
+        return s
+
+    def _release(self, s: int) -> None:
+        """Unlink slot `s` from its node's list and free it (block chain done by caller)."""
+        c = self.col
+        node = self.node_by_idx[c.node[s]]
+        assert node is not None, "slot owned by a forgotten node"
+        prev, nxt = c.nprev[s], c.nnext[s]
+        if prev != NIL:
+            c.nnext[prev] = nxt
+        else:
+            node.head = nxt
+        if nxt != NIL:
+            c.nprev[nxt] = prev
+        node.entries -= 1
+        self.entries -= 1
+        c.node[s] = NIL
+        c.key[s] = None
+        c.bnext[s] = self.free
+        self.free = s
+
+    def _unlink_block(self, blocks: dict[bytes, int], key: bytes, s: int) -> None:
+        """Remove slot `s` from the holder chain of `key`."""
+        c = self.col
+        head = blocks[key]
+        if head == s:
+            nxt = c.bnext[s]
+            if nxt == NIL:
+                del blocks[key]
+            else:
+                blocks[key] = nxt
+            return
+        p = head
+        while c.bnext[p] != s:
+            p = c.bnext[p]
+        c.bnext[p] = c.bnext[s]
+
+    def _evict_oldest_holder(self, blocks: dict[bytes, int], key: bytes, head: int) -> None:
+        # New holders go to the head, so the tail is the longest-standing one.
+        c = self.col
+        s = head
+        while c.bnext[s] != NIL:
+            s = c.bnext[s]
+        self._unlink_block(blocks, key, s)
+        self._release(s)
+
+    def _remove(self, cmd: Remove) -> Result:
+        node = self._check_node(cmd.node_id, cmd.incarnation)
+        if isinstance(node, Rejected):
+            return node
+        ns = self.ns_ids.get(cmd.namespace)
+        if ns is None:
+            return Removed(0)
+        blocks = self.blocks[ns]
+        nidx = self.node_idx[cmd.node_id]
+        c = self.col
+        removed = 0
+        for i, h in enumerate(cmd.hashes):
+            s = blocks.get(h, NIL)
+            while s != NIL and not (c.node[s] == nidx and c.tier[s] == cmd.tier):
+                s = c.bnext[s]
+            if s == NIL or (cmd.generations and c.gen[s] > cmd.generations[i]):
+                continue
+            self._unlink_block(blocks, h, s)
+            self._release(s)
+            removed += 1
+        return Removed(removed)
+
+    def _drop_node_entries(self, node: NodeState, namespace: int | None) -> int:
+        c = self.col
+        s = node.head
+        removed = 0
+        while s != NIL:
+            nxt = c.nnext[s]
+            if namespace is None or c.ns[s] == namespace:
+                key = c.key[s]
+                assert key is not None
+                self._unlink_block(self.blocks[c.ns[s]], key, s)
+                self._release(s)
+                removed += 1
+            s = nxt
+        return removed
+
+    def _clear(self, cmd: ClearNode) -> Result:
+        node = self._check_node(cmd.node_id, cmd.incarnation)
+        if isinstance(node, Rejected):
+            return node
+        if cmd.namespace is None:
+            removed = self._drop_node_entries(node, None)
+        else:
+            ns = self.ns_ids.get(cmd.namespace)
+            removed = 0 if ns is None else self._drop_node_entries(node, ns)
+        if cmd.deregister:
+            self._forget_node(node)
+        return Removed(removed)
+
+    def _expire(self, cmd: ExpireNodes) -> Result:
+        gone: list[str] = []
+        removed = 0
+        for node_id, incarnation in cmd.nodes:
+            node = self.nodes.get(node_id)
+            # Re-checked here: a heartbeat committed after the leader decided wins.
+            if node is None or node.incarnation != incarnation:
+                continue
+            if node.lease_expiry_ms > cmd.now_ms:
+                continue
+            removed += self._drop_node_entries(node, None)
+            self._forget_node(node)
+            gone.append(node_id)
+        return Expired(tuple(gone), removed)
+
+    # ----------------------------------------------------------------- reads
+
+    def expired_nodes(self, now_ms: int, limit: int,
+                      grace_from_ms: int = 0) -> list[tuple[str, int]]:
+        """Nodes whose lease ended by `now_ms` (for the leader to propose).
+
+        A lease counts as renewed at `grace_from_ms` (when the proposing
+        leader took over), so a new leader never expires a node sooner than a
+        full lease after it started watching.
+        """
+        out = [(n.node_id, n.incarnation) for n in self.nodes.values()
+               if max(n.lease_expiry_ms, grace_from_ms + n.lease_ms) <= now_ms]
+        out.sort()
+        return out[:limit]
+
+    def lookup(self, namespace: str, chain: list[bytes], max_nodes: int,
+               exclude_node: str = "") -> list[Match]:
+        """Each holder node's longest contiguous prefix of `chain` from block 0.
+
+        Best first: longer prefix, then node id (deterministic). A node holding
+        a block in several tiers contributes its best tier (GPU before host).
+        """
+        ns = self.ns_ids.get(namespace)
+        if ns is None or not chain or max_nodes <= 0:
+            return []
+        # Chain heads for every block in one C-level pass; the prefix any node
+        # can hold ends at the first block nobody holds.
+        heads = list(map(self.blocks[ns].get, chain, repeat(NIL, len(chain))))
+        if NIL in heads:
+            heads = heads[: heads.index(NIL)]
+        if not heads:
+            return []
+        exclude = self.node_idx.get(exclude_node, NIL) if exclude_node else NIL
+        c = self.col
+        if len(heads) == 1 or _getter(heads)(c.bnext).count(NIL) == len(heads):
+            found = self._single_holder_prefix(heads, exclude)
+        else:
+            found = self._multi_holder_prefixes(heads, exclude)
+        by_idx = self.node_by_idx
+        matches = []
+        for n, slots in found:
+            node = by_idx[n]
+            assert node is not None
+            matches.append(Match(node, slots))
+        matches.sort(key=lambda m: (-len(m.slots), m.node.node_id))
+        return matches[:max_nodes]
+
+    def _single_holder_prefix(self, heads: list[int], exclude: int) -> list[tuple[int, list[int]]]:
+        """Fast path: every block of the chain has exactly one holder slot."""
+        nodes = _tuple(_getter(heads)(self.col.node))
+        n0 = nodes[0]
+        if n0 == exclude:
+            return []
+        run = len(nodes)
+        if nodes.count(n0) != run:
+            run = next(i for i, n in enumerate(nodes) if n != n0)
+        return [(n0, heads[:run])]
+
+    def _multi_holder_prefixes(self, heads: list[int],
+                               exclude: int) -> list[tuple[int, list[int]]]:
+        c = self.col
+        cnode, ctier, cnext = c.node, c.tier, c.bnext
+        out = []
+        for n in self._holders(heads[0], exclude):
+            slots = []
+            for head in heads:
+                best, s = NIL, head
+                while s != NIL:
+                    if cnode[s] == n and (best == NIL or ctier[s] < ctier[best]):
+                        best = s
+                    s = cnext[s]
+                if best == NIL:
+                    break
+                slots.append(best)
+            out.append((n, slots))
+        return out
+
+    def _holders(self, head: int, exclude: int) -> list[int]:
+        """Distinct nodes on one block's holder chain, in chain order."""
+        c = self.col
+        seen: list[int] = []
+        s = head
+        while s != NIL:
+            n = c.node[s]
+            if n != exclude and n not in seen:
+                seen.append(n)
+            s = c.bnext[s]
+        return seen
+
+    def records(self, slots: list[int]) -> Records:
+        c = self.col
+        get = _getter(slots)
+        return Records(
+            _tuple(get(c.addr)),
+            _tuple(get(c.length)),
+            _tuple(get(c.rkey)),
+            _tuple(get(c.gen)),
+            _tuple(get(c.tier)),
+        )
+
+    @property
+    def block_count(self) -> int:
+        return sum(len(b) for b in self.blocks)

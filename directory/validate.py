@@ -1,0 +1,158 @@
+"""Turn gRPC requests into commands, refusing malformed input with a reason.
+
+Every check happens before anything is proposed to Raft, so a bad request
+costs one RPC and never a log entry. `BadRequest.reason` is a stable
+machine-readable token (sent as trailing metadata `kvdir-reason`); the message
+is for people.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+
+from directory.commands import Publish, Remove, Tier
+from directory.limits import (
+    ENDPOINT_BYTES_MAX,
+    HASH_BYTES_MAX,
+    HOST_BYTES_MAX,
+    LEASE_MS_MAX,
+    LEASE_MS_MIN,
+    NAMESPACE_FIELD_BYTES_MAX,
+    NODE_ID_BYTES_MAX,
+    TRANSPORT_NAME_BYTES_MAX,
+    TRANSPORTS_MAX,
+    RequestLimits,
+)
+from proto.kvdir.v1 import directory_pb2 as pb
+
+_U32_MAX = 0xFFFFFFFF
+_U64_MAX = 0xFFFFFFFFFFFFFFFF
+_TIERS = frozenset(int(t) for t in Tier)
+
+
+class BadRequest(ValueError):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def namespace_key(ns: pb.Namespace) -> str:
+    """The canonical string of a namespace (the table's namespace key)."""
+    if not ns.model:
+        raise BadRequest("bad-namespace", "namespace.model is required")
+    if ns.block_tokens == 0:
+        raise BadRequest("bad-namespace", "namespace.block_tokens must be > 0")
+    for name in ("model", "dtype", "layout"):
+        value = getattr(ns, name)
+        if len(value.encode()) > NAMESPACE_FIELD_BYTES_MAX:
+            raise BadRequest("bad-namespace",
+                             f"namespace.{name} is longer than {NAMESPACE_FIELD_BYTES_MAX} bytes")
+        if "\x1f" in value:
+            raise BadRequest("bad-namespace", f"namespace.{name} contains a control character")
+    if ns.tp_size and ns.tp_rank >= ns.tp_size:
+        raise BadRequest("bad-namespace", "namespace.tp_rank must be < tp_size")
+    return "\x1f".join((ns.model, ns.dtype, str(ns.block_tokens), ns.layout,
+                        f"{ns.tp_rank}/{ns.tp_size}"))
+
+
+def node_id(value: str) -> str:
+    if not value:
+        raise BadRequest("bad-node-id", "node_id is required")
+    if len(value.encode()) > NODE_ID_BYTES_MAX:
+        raise BadRequest("bad-node-id", f"node_id is longer than {NODE_ID_BYTES_MAX} bytes")
+    return value
+
+
+def hashes(block_hashes: Sequence[bytes], block_ids: Sequence[int], limit: int,
+           what: str) -> list[bytes]:
+    """The block hashes of a request, u64 ids normalised to 8 bytes big-endian."""
+    if block_hashes and block_ids:
+        raise BadRequest("bad-hashes", f"{what}: give block_hashes or block_ids, not both")
+    n = len(block_hashes) or len(block_ids)
+    if n > limit:
+        raise BadRequest("too-many-blocks", f"{what}: {n} blocks is over the limit of {limit}")
+    if block_ids:
+        packed = struct.pack(f">{n}Q", *block_ids)
+        return [packed[i : i + 8] for i in range(0, 8 * n, 8)]
+    out = list(block_hashes)
+    for h in out:
+        if not 0 < len(h) <= HASH_BYTES_MAX:
+            raise BadRequest("bad-hashes",
+                             f"{what}: a block hash has {len(h)} bytes (1..{HASH_BYTES_MAX})")
+    return out
+
+
+def tier(value: int) -> int:
+    if value not in _TIERS:
+        raise BadRequest("bad-tier", f"tier {value} is not TIER_GPU or TIER_HOST")
+    return value
+
+
+def _column(values: Sequence[int], n: int, name: str, maximum: int) -> list[int]:
+    if len(values) != n:
+        raise BadRequest("bad-batch", f"{name} has {len(values)} values for {n} blocks")
+    out = list(values)
+    if n and max(out) > maximum:
+        raise BadRequest("bad-batch", f"a value of {name} is over {maximum}")
+    return out
+
+
+def publish(req: pb.PublishRequest, limits: RequestLimits) -> Publish:
+    ns = namespace_key(req.namespace)
+    hs = hashes(req.block_hashes, req.block_ids, limits.batch_entries_max, "publish")
+    n = len(hs)
+    if n == 0:
+        raise BadRequest("bad-batch", "publish has no blocks")
+    return Publish(
+        node_id(req.node_id), req.incarnation, ns, tier(req.tier), hs,
+        _column(req.addresses, n, "addresses", _U64_MAX),
+        _column(req.lengths, n, "lengths", _U32_MAX),
+        _column(req.rkeys, n, "rkeys", _U32_MAX),
+        _column(req.generations, n, "generations", _U64_MAX),
+    )
+
+
+def remove(req: pb.RemoveRequest, limits: RequestLimits) -> Remove:
+    ns = namespace_key(req.namespace)
+    hs = hashes(req.block_hashes, req.block_ids, limits.batch_entries_max, "remove")
+    if not hs:
+        raise BadRequest("bad-batch", "remove has no blocks")
+    gens = list(req.generations)
+    if gens and len(gens) != len(hs):
+        raise BadRequest("bad-batch", f"generations has {len(gens)} values for {len(hs)} blocks")
+    return Remove(node_id(req.node_id), req.incarnation, ns, tier(req.tier), hs, gens)
+
+
+def lookup_chain(req: pb.LookupRequest, limits: RequestLimits) -> tuple[str, list[bytes], int]:
+    """(namespace key, chain, max nodes) of a lookup."""
+    ns = namespace_key(req.namespace)
+    chain = hashes(req.block_hashes, req.block_ids, limits.chain_blocks_max, "lookup")
+    if not chain:
+        raise BadRequest("bad-chain", "lookup chain is empty")
+    max_nodes = req.max_nodes or limits.lookup_nodes_default
+    if max_nodes > limits.lookup_nodes_max:
+        raise BadRequest("bad-max-nodes",
+                         f"max_nodes {max_nodes} is over the limit of {limits.lookup_nodes_max}")
+    return ns, chain, max_nodes
+
+
+def registration(req: pb.RegisterNodeRequest, lease_default_ms: int) -> tuple[str, int]:
+    """Validate a RegisterNode request; returns (node id, lease ms)."""
+    nid = node_id(req.node_id)
+    if not req.host or len(req.host.encode()) > HOST_BYTES_MAX:
+        raise BadRequest("bad-host", f"host is required and at most {HOST_BYTES_MAX} bytes")
+    if len(req.agent_endpoint.encode()) > ENDPOINT_BYTES_MAX:
+        raise BadRequest("bad-endpoint", f"agent_endpoint is over {ENDPOINT_BYTES_MAX} bytes")
+    if len(req.transports) > TRANSPORTS_MAX or any(
+        not t or len(t.encode()) > TRANSPORT_NAME_BYTES_MAX for t in req.transports
+    ):
+        raise BadRequest("bad-transports",
+                         f"at most {TRANSPORTS_MAX} transports of 1..{TRANSPORT_NAME_BYTES_MAX} "
+                         "bytes each")
+    if req.incarnation == 0:
+        raise BadRequest("bad-incarnation", "incarnation must be > 0")
+    lease_ms = req.lease_ms or lease_default_ms
+    if not LEASE_MS_MIN <= lease_ms <= LEASE_MS_MAX:
+        raise BadRequest("bad-lease", f"lease_ms must be in {LEASE_MS_MIN}..{LEASE_MS_MAX}")
+    return nid, lease_ms

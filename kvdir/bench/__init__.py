@@ -1,0 +1,22 @@
+"""`kvdir bench ...`: benchmarks whose output is committed under bench/results/.
+
+A benchmark is not a test: it measures, compares against a baseline taken in
+the same run (a ratio, since shared machines are noisy), and writes Markdown
+and JSON with the machine, command and date.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_parsers(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (results go under bench/results/)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    from kvdir.bench import directory
+
+    directory.add_parser(kinds)
+
+
+__all__ = ["add_parsers", "argparse"]

@@ -1,0 +1,243 @@
+"""The `kvdir` command.
+
+    kvdir directory serve   run one directory replica (a daemon)
+    kvdir ctl status|nodes|lookup   inspect a running directory
+    kvdir demo              a local 3-replica cluster, a real publish/lookup workload
+    kvdir bench directory   the directory benchmark
+
+Failures print one line, ``kvdir: error: ...``, and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from directory.client import DirectoryClient, DirectoryError, namespace
+from directory.config import ConfigError, DirectoryConfig, from_dict, load, parse_peer
+from proto.kvdir.v1 import directory_pb2 as pb
+
+DEFAULT_ADDRS = "127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103"
+
+
+class CliError(Exception):
+    """A user-facing failure: printed as one line, exit status 1."""
+
+
+# ----------------------------------------------------------------- serve
+
+
+def _serve_config(args: argparse.Namespace) -> DirectoryConfig:
+    overrides: dict[str, Any] = {
+        "replica_id": args.replica_id, "raft_address": args.raft, "grpc_address": args.grpc,
+        "metrics_address": args.metrics, "data_dir": args.data_dir,
+        "log_format": args.log_format, "enable_echo": True if args.enable_echo else None,
+    }
+    peers = [parse_peer(p) for p in args.peer]
+    if args.config:
+        cfg = load(args.config, overrides)
+        if peers:
+            raise ConfigError("give peers in the config file or as --peer flags, not both")
+        return cfg
+    raw = {k: v for k, v in overrides.items() if v is not None}
+    raw["peers"] = [{"replica_id": p.replica_id, "raft_address": p.raft_address,
+                     "grpc_address": p.grpc_address} for p in peers]
+    return from_dict(raw)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from directory import logs
+    from directory.daemon import DirectoryDaemon, StartError
+
+    cfg = _serve_config(args)
+    logs.setup(cfg.log_format, args.log_level, {"replica_id": cfg.replica_id})
+    daemon = DirectoryDaemon(cfg)
+    try:
+        daemon.start()
+    except StartError as e:
+        raise CliError(str(e)) from e
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    daemon.stop()
+    return 0
+
+
+# ------------------------------------------------------------------- ctl
+
+
+def _client(args: argparse.Namespace) -> DirectoryClient:
+    addrs = [a.strip() for a in args.addr.split(",") if a.strip()]
+    return DirectoryClient(addrs, timeout_s=args.timeout)
+
+
+def _print(args: argparse.Namespace, obj: Any, text: Callable[[], str]) -> None:
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+        print(json.dumps(MessageToDict(obj, preserving_proto_field_name=True), indent=2))
+    else:
+        print(text())
+
+
+_ROLES = {pb.ROLE_LEADER: "leader", pb.ROLE_FOLLOWER: "follower",
+          pb.ROLE_CANDIDATE: "candidate", pb.ROLE_UNSPECIFIED: "?"}
+
+
+def format_status(statuses: Sequence[tuple[str, pb.ClusterStatusResponse | None, str]]) -> str:
+    rows = [("ADDRESS", "REPLICA", "ROLE", "TERM", "COMMIT", "APPLIED", "ENTRIES", "BLOCKS",
+             "NODES", "LEADER")]
+    for addr, s, err in statuses:
+        if s is None:
+            rows.append((addr, "-", f"unreachable: {err}", "", "", "", "", "", "", ""))
+            continue
+        rows.append((addr, s.replica_id, _ROLES[s.role], str(s.term), str(s.commit_index),
+                     str(s.applied_index), str(s.entries), str(s.blocks), str(s.nodes),
+                     s.leader_id or "-"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in rows)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        out: list[tuple[str, pb.ClusterStatusResponse | None, str]] = []
+        for addr in c.addresses:
+            try:
+                out.append((addr, c.status(addr), ""))
+            except DirectoryError as e:
+                out.append((addr, None, e.code.name))
+    if all(s is None for _, s, _ in out):
+        raise CliError(f"no directory replica answered at {args.addr}")
+    if args.json:
+        from google.protobuf.json_format import MessageToDict
+        print(json.dumps({a: (MessageToDict(s, preserving_proto_field_name=True) if s else
+                              {"error": e}) for a, s, e in out}, indent=2))
+    else:
+        print(format_status(out))
+    return 0
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        resp = c.list_nodes()
+
+    def text() -> str:
+        lines = [f"{'NODE':24} {'HOST':16} {'INCARNATION':>20} {'ENTRIES':>9}  TRANSPORTS"]
+        for n in resp.nodes:
+            lines.append(f"{n.node_id:24} {n.host:16} {n.incarnation:>20} {n.entries:>9}  "
+                         f"{','.join(n.transports)}")
+        return "\n".join(lines)
+
+    _print(args, resp, text)
+    return 0
+
+
+def _chain(args: argparse.Namespace) -> list[bytes]:
+    try:
+        if args.hashes:
+            return [bytes.fromhex(h) for h in args.hashes.split(",")]
+        if args.ids:
+            return [int(i).to_bytes(8, "big") for i in args.ids.split(",")]
+    except ValueError as e:
+        raise CliError(f"bad block hash list: {e}") from e
+    raise CliError("give --hashes HEX,HEX,... or --ids N,N,...")
+
+
+def cmd_lookup(args: argparse.Namespace) -> int:
+    ns = namespace(args.model, args.block_tokens, args.dtype, args.layout, args.tp_rank,
+                   args.tp_size)
+    with _client(args) as c:
+        resp = c.lookup(ns, _chain(args), max_nodes=args.max_nodes, exclude_node=args.exclude,
+                        linearizable=args.linearizable)
+
+    def text() -> str:
+        r = resp.read
+        lines = [f"read from {r.replica_id} ({_ROLES[r.role]}) at applied index "
+                 f"{r.applied_index}{', linearizable' if r.linearizable else ''}"]
+        if not resp.matches:
+            lines.append("no node holds a prefix of this chain")
+        for m in resp.matches:
+            lines.append(f"{m.node_id}: {m.prefix_blocks} blocks via {m.agent_endpoint or '-'} "
+                         f"({','.join(m.transports) or 'index only'})")
+        return "\n".join(lines)
+
+    _print(args, resp, text)
+    return 0
+
+
+# ---------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvdir", description="Cluster-wide KV-cache pool.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("directory", help="the directory service").add_subparsers(
+        dest="directory_command", required=True)
+    s = d.add_parser("serve", help="run one directory replica")
+    s.add_argument("--config", help="TOML config file (flags override it)")
+    s.add_argument("--replica-id")
+    s.add_argument("--raft", help="this replica's Raft HOST:PORT")
+    s.add_argument("--grpc", help="gRPC HOST:PORT to serve on")
+    s.add_argument("--metrics", help="Prometheus HOST:PORT (empty: off)")
+    s.add_argument("--data-dir", help="journal and snapshot directory")
+    s.add_argument("--peer", action="append", default=[],
+                   help="ID=RAFT_HOST:PORT,GRPC_HOST:PORT (repeat per peer)")
+    s.add_argument("--enable-echo", action="store_true",
+                   help="also serve the Echo baseline used by `kvdir bench directory`")
+    s.add_argument("--log-format", choices=["json", "text"])
+    s.add_argument("--log-level", default="INFO")
+    s.set_defaults(func=cmd_serve)
+
+    ctl = sub.add_parser("ctl", help="inspect a running directory").add_subparsers(
+        dest="ctl_command", required=True)
+    for name, func, helptext in (("status", cmd_status, "each replica's Raft and table state"),
+                                 ("nodes", cmd_nodes, "registered holder nodes"),
+                                 ("lookup", cmd_lookup, "who holds a prefix of a chain")):
+        c = ctl.add_parser(name, help=helptext)
+        c.add_argument("--addr", default=DEFAULT_ADDRS,
+                       help="comma-separated replica gRPC addresses")
+        c.add_argument("--timeout", type=float, default=5.0)
+        c.add_argument("--json", action="store_true")
+        c.set_defaults(func=func)
+        if name == "lookup":
+            c.add_argument("--model", required=True)
+            c.add_argument("--block-tokens", type=int, required=True)
+            c.add_argument("--dtype", default="")
+            c.add_argument("--layout", default="")
+            c.add_argument("--tp-rank", type=int, default=0)
+            c.add_argument("--tp-size", type=int, default=0)
+            c.add_argument("--hashes", help="comma-separated hex block hashes")
+            c.add_argument("--ids", help="comma-separated unsigned 64-bit block ids")
+            c.add_argument("--max-nodes", type=int, default=0)
+            c.add_argument("--exclude", default="")
+            c.add_argument("--linearizable", action="store_true")
+
+    from kvdir import demo
+    demo.add_parser(sub)
+    from kvdir.bench import add_parsers
+    add_parsers(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        rc: int = args.func(args)
+        return rc
+    except (CliError, ConfigError, DirectoryError) as e:
+        print(f"kvdir: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

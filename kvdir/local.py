@@ -1,0 +1,184 @@
+"""A local directory cluster of real replica processes on 127.0.0.1.
+
+Used by `kvdir demo`, the benchmarks and the integration tests: each replica
+is a separate `kvdir directory serve` process with its own data dir, so Raft,
+gRPC and the journals are exactly what a deployment runs. Every wait here is
+on a condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from directory.client import DirectoryClient, DirectoryError
+from proto.kvdir.v1 import directory_pb2 as pb
+
+LOOPBACK = "127.0.0.1"
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports that were free a moment ago."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((LOOPBACK, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def wait_for(cond: Callable[[], bool], timeout_s: float, what: str,
+             interval_s: float = 0.02) -> None:
+    """Poll `cond` until true; raise ClusterError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if cond():
+            return
+        if time.monotonic() >= deadline:
+            raise ClusterError(f"timed out after {timeout_s:.1f}s waiting for {what}")
+        time.sleep(interval_s)
+
+
+@dataclass
+class Replica:
+    replica_id: str
+    raft_address: str
+    grpc_address: str
+    metrics_address: str
+    data_dir: str
+    log_path: str
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+@dataclass
+class LocalCluster:
+    """N replicas under `base_dir`; `start()` waits until one leads."""
+
+    base_dir: str
+    size: int = 3
+    enable_echo: bool = False
+    extra_args: list[str] = field(default_factory=list)
+    replicas: list[Replica] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        ports = free_ports(3 * self.size)
+        for i in range(self.size):
+            rid = f"r{i + 1}"
+            d = os.path.join(self.base_dir, rid)
+            os.makedirs(d, exist_ok=True)
+            self.replicas.append(Replica(
+                rid, f"{LOOPBACK}:{ports[3 * i]}", f"{LOOPBACK}:{ports[3 * i + 1]}",
+                f"{LOOPBACK}:{ports[3 * i + 2]}", os.path.join(d, "data"),
+                os.path.join(d, "replica.log")))
+
+    @property
+    def grpc_addresses(self) -> list[str]:
+        return [r.grpc_address for r in self.replicas]
+
+    def command(self, r: Replica) -> list[str]:
+        cmd = [sys.executable, "-m", "kvdir.cli", "directory", "serve",
+               "--replica-id", r.replica_id, "--raft", r.raft_address, "--grpc", r.grpc_address,
+               "--metrics", r.metrics_address, "--data-dir", r.data_dir]
+        for p in self.replicas:
+            if p is not r:
+                cmd += ["--peer", f"{p.replica_id}={p.raft_address},{p.grpc_address}"]
+        if self.enable_echo:
+            cmd.append("--enable-echo")
+        return cmd + self.extra_args
+
+    def launch(self, r: Replica) -> None:
+        with open(r.log_path, "ab") as log:
+            r.proc = subprocess.Popen(self.command(r), stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        for r in self.replicas:
+            self.launch(r)
+        self.wait_leader(timeout_s)
+
+    def client(self, timeout_s: float = 5.0) -> DirectoryClient:
+        return DirectoryClient(self.grpc_addresses, timeout_s=timeout_s)
+
+    def statuses(self) -> dict[str, pb.ClusterStatusResponse]:
+        """Status of each live replica that answers right now."""
+        out = {}
+        with DirectoryClient(self.grpc_addresses, timeout_s=0.5) as c:
+            for r in self.replicas:
+                if not r.alive:
+                    continue
+                try:
+                    out[r.replica_id] = c.status(r.grpc_address)
+                except DirectoryError:
+                    pass
+        return out
+
+    def leader(self) -> Replica | None:
+        """The live replica that says it leads (and that its peers agree on)."""
+        st = self.statuses()
+        leaders = [rid for rid, s in st.items() if s.role == pb.ROLE_LEADER]
+        if len(leaders) != 1:
+            return None
+        agreed = sum(1 for s in st.values() if s.leader_id == leaders[0])
+        if agreed * 2 <= self.size:
+            return None
+        return next(r for r in self.replicas if r.replica_id == leaders[0])
+
+    def wait_leader(self, timeout_s: float = 30.0) -> Replica:
+        found: list[Replica] = []
+
+        def has_leader() -> bool:
+            for r in self.replicas:
+                if r.proc is not None and r.proc.poll() is not None and r.proc.returncode not in (
+                        0, -signal.SIGKILL, -signal.SIGTERM):
+                    raise ClusterError(f"replica {r.replica_id} exited with "
+                                       f"{r.proc.returncode}; see {r.log_path}")
+            leader = self.leader()
+            if leader is not None:
+                found.append(leader)
+            return leader is not None
+
+        wait_for(has_leader, timeout_s, "a leader that a majority agrees on", 0.05)
+        return found[-1]
+
+    def kill(self, r: Replica, sig: int = signal.SIGKILL) -> None:
+        if r.proc is not None and r.proc.poll() is None:
+            r.proc.send_signal(sig)
+            if sig in (signal.SIGKILL, signal.SIGTERM):
+                r.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        for r in self.replicas:
+            if r.alive:
+                assert r.proc is not None
+                r.proc.send_signal(signal.SIGTERM)
+        for r in self.replicas:
+            if r.proc is not None:
+                try:
+                    r.proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    r.proc.kill()
+                    r.proc.wait(timeout=10)
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,36 @@
+"""Shared fixtures. Unit and simulation tiers may not touch the network."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvdir.local import LocalCluster
+
+_UNIT_TIERS = ("tests/unit", "tests/sim")
+
+
+@pytest.fixture(autouse=True)
+def _no_network_in_unit_tiers(request: pytest.FixtureRequest,
+                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unit and simulation tests stay pure: opening a socket there is a bug."""
+    path = str(request.node.path)
+    if any(t in path for t in _UNIT_TIERS):
+        def refuse(*_a: object, **_k: object) -> None:
+            raise RuntimeError("unit/sim tests must not open sockets")
+        monkeypatch.setattr(socket.socket, "connect", refuse)
+        monkeypatch.setattr(socket.socket, "bind", refuse)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    """A started 3-replica directory of real processes on 127.0.0.1."""
+    c = LocalCluster(str(tmp_path), size=3)
+    try:
+        c.start(timeout_s=30)
+        yield c
+    finally:
+        c.stop()
