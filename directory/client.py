@@ -21,8 +21,11 @@ Exception tree::
 from __future__ import annotations
 
 import random
+import sys
 import time
+from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -38,6 +41,15 @@ _UNKNOWN = {grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
 _MESSAGE_BYTES_MAX = 64 * 1024 * 1024
 
 
+def _metadata(e: grpc.RpcError) -> dict[str, str]:
+    """Trailing metadata of a failed call as a dict (values as text)."""
+    out: dict[str, str] = {}
+    for item in e.trailing_metadata() or ():
+        key, value = item.key, item.value  # _Metadatum is a namedtuple at runtime
+        out[key] = value.decode() if isinstance(value, bytes) else str(value)
+    return out
+
+
 class DirectoryError(Exception):
     def __init__(self, code: grpc.StatusCode, message: str, reason: str = "") -> None:
         super().__init__(message)
@@ -51,6 +63,35 @@ class Unavailable(DirectoryError):
 
 class OutcomeUnknown(DirectoryError):
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class HolderRecords:
+    """Decoded holder records of one NodeMatch (one element per prefix block)."""
+
+    addresses: list[int]
+    lengths: list[int]
+    rkeys: list[int]
+    generations: list[int]
+    tiers: list[int]
+
+
+def _column(code: str, data: bytes, n: int) -> list[int]:
+    col = array(code)
+    col.frombytes(data)
+    if sys.byteorder != "little":
+        col.byteswap()
+    if len(col) != n:
+        raise ValueError(f"record column has {len(col)} values for {n} blocks")
+    return col.tolist()
+
+
+def records(match: pb.NodeMatch) -> HolderRecords:
+    """The holder records of a lookup match (empty when records were omitted)."""
+    n = match.prefix_blocks if match.addresses else 0
+    return HolderRecords(_column("Q", match.addresses, n), _column("I", match.lengths, n),
+                         _column("I", match.rkeys, n), _column("Q", match.generations, n),
+                         list(match.tiers))
 
 
 def namespace(model: str, block_tokens: int, dtype: str = "", layout: str = "",
@@ -109,7 +150,7 @@ class DirectoryClient:
             except grpc.RpcError as e:
                 last = e
                 code = e.code()
-                md = dict(e.trailing_metadata() or ())
+                md = _metadata(e)
                 unknown = md.get("kvdir-outcome") == "unknown" or code in _UNKNOWN
                 if code == grpc.StatusCode.INVALID_ARGUMENT or code not in (
                         _RETRYABLE | _UNKNOWN):
@@ -121,7 +162,8 @@ class DirectoryClient:
                     self._next_address(str(md.get("kvdir-leader", "")))
             self.retries += 1
             pause = min(BACKOFF_S_MAX, BACKOFF_S_MIN * (2 ** attempt))
-            time.sleep(min(pause * (0.5 + self._rng.random()), max(0.0, deadline - time.monotonic())))
+            left = max(0.0, deadline - time.monotonic())
+            time.sleep(min(pause * (0.5 + self._rng.random()), left))
         detail = last.details() if last is not None else "deadline passed"
         code = last.code() if last is not None else grpc.StatusCode.DEADLINE_EXCEEDED
         cls = OutcomeUnknown if code in _UNKNOWN else Unavailable
@@ -143,7 +185,7 @@ class DirectoryClient:
             "Heartbeat", pb.HeartbeatRequest(node_id=node_id, incarnation=incarnation))
         return resp
 
-    def publish(self, node_id: str, incarnation: int, ns: pb.Namespace, tier: int,
+    def publish(self, node_id: str, incarnation: int, ns: pb.Namespace, tier: pb.Tier.ValueType,
                 hashes: Sequence[bytes], addresses: Sequence[int], lengths: Sequence[int],
                 rkeys: Sequence[int], generations: Sequence[int]) -> pb.PublishResponse:
         req = pb.PublishRequest(node_id=node_id, incarnation=incarnation, namespace=ns,
@@ -152,7 +194,7 @@ class DirectoryClient:
         resp: pb.PublishResponse = self.call("Publish", req)
         return resp
 
-    def remove(self, node_id: str, incarnation: int, ns: pb.Namespace, tier: int,
+    def remove(self, node_id: str, incarnation: int, ns: pb.Namespace, tier: pb.Tier.ValueType,
                hashes: Sequence[bytes], generations: Sequence[int] = ()) -> pb.RemoveResponse:
         req = pb.RemoveRequest(node_id=node_id, incarnation=incarnation, namespace=ns,
                                tier=tier, block_hashes=hashes, generations=generations)

@@ -64,7 +64,7 @@ class _Writer:
     def u64(self, v: int) -> None:
         self.parts.append(_U64.pack(v))
 
-    def str(self, s: str) -> None:
+    def text(self, s: str) -> None:
         b = s.encode()
         self.parts.append(_U16.pack(len(b)))
         self.parts.append(b)
@@ -114,7 +114,7 @@ class _Reader:
     def u64(self) -> int:
         return int(_U64.unpack(self.take(8))[0])
 
-    def str(self) -> str:
+    def text(self) -> str:
         try:
             return self.take(self.u16()).decode()
         except UnicodeDecodeError as e:
@@ -156,18 +156,18 @@ def encode(cmd: Command) -> bytes:
     match cmd:
         case RegisterNode():
             w = _Writer(_T_REGISTER)
-            w.str(cmd.node_id)
-            w.str(cmd.host)
-            w.str(cmd.endpoint)
+            w.text(cmd.node_id)
+            w.text(cmd.host)
+            w.text(cmd.endpoint)
             w.u8(len(cmd.transports))
             for t in cmd.transports:
-                w.str(t)
+                w.text(t)
             w.u64(cmd.incarnation)
             w.u32(cmd.lease_ms)
             w.u64(cmd.now_ms)
         case Heartbeat():
             w = _Writer(_T_HEARTBEAT)
-            w.str(cmd.node_id)
+            w.text(cmd.node_id)
             w.u64(cmd.incarnation)
             w.u64(cmd.now_ms)
         case Publish():
@@ -186,18 +186,18 @@ def encode(cmd: Command) -> bytes:
             w.column("Q", cmd.generations)
         case ClearNode():
             w = _Writer(_T_CLEAR)
-            w.str(cmd.node_id)
+            w.text(cmd.node_id)
             w.u64(cmd.incarnation)
             w.u8(cmd.namespace is not None)
             if cmd.namespace is not None:
-                w.str(cmd.namespace)
+                w.text(cmd.namespace)
             w.u8(cmd.deregister)
         case ExpireNodes():
             w = _Writer(_T_EXPIRE)
             w.u64(cmd.now_ms)
             w.u32(len(cmd.nodes))
             for node_id, incarnation in cmd.nodes:
-                w.str(node_id)
+                w.text(node_id)
                 w.u64(incarnation)
         case Barrier():
             w = _Writer(_T_BARRIER)
@@ -205,24 +205,24 @@ def encode(cmd: Command) -> bytes:
 
 
 def _node_ns_tier(w: _Writer, node_id: str, incarnation: int, namespace: str, tier: int) -> None:
-    w.str(node_id)
+    w.text(node_id)
     w.u64(incarnation)
-    w.str(namespace)
+    w.text(namespace)
     w.u8(tier)
 
 
 def _register(r: _Reader) -> Command:
-    node_id, host, endpoint = r.str(), r.str(), r.str()
-    transports = tuple(r.str() for _ in range(r.u8()))
+    node_id, host, endpoint = r.text(), r.text(), r.text()
+    transports = tuple(r.text() for _ in range(r.u8()))
     return RegisterNode(node_id, host, endpoint, transports, r.u64(), r.u32(), r.u64())
 
 
 def _heartbeat(r: _Reader) -> Command:
-    return Heartbeat(r.str(), r.u64(), r.u64())
+    return Heartbeat(r.text(), r.u64(), r.u64())
 
 
 def _publish(r: _Reader) -> Command:
-    node_id, incarnation, namespace, tier = r.str(), r.u64(), r.str(), r.u8()
+    node_id, incarnation, namespace, tier = r.text(), r.u64(), r.text(), r.u8()
     hashes = r.hashes()
     n = len(hashes)
     return Publish(
@@ -239,7 +239,7 @@ def _publish(r: _Reader) -> Command:
 
 
 def _remove(r: _Reader) -> Command:
-    node_id, incarnation, namespace, tier = r.str(), r.u64(), r.str(), r.u8()
+    node_id, incarnation, namespace, tier = r.text(), r.u64(), r.text(), r.u8()
     hashes = r.hashes()
     generations = r.column("Q", r.u32())
     if generations and len(generations) != len(hashes):
@@ -248,14 +248,14 @@ def _remove(r: _Reader) -> Command:
 
 
 def _clear(r: _Reader) -> Command:
-    node_id, incarnation = r.str(), r.u64()
-    namespace = r.str() if r.u8() else None
+    node_id, incarnation = r.text(), r.u64()
+    namespace = r.text() if r.u8() else None
     return ClearNode(node_id, incarnation, namespace, bool(r.u8()))
 
 
 def _expire(r: _Reader) -> Command:
     now_ms = r.u64()
-    nodes = tuple((r.str(), r.u64()) for _ in range(r.u32()))
+    nodes = tuple((r.text(), r.u64()) for _ in range(r.u32()))
     return ExpireNodes(now_ms, nodes)
 
 

@@ -101,11 +101,39 @@ def from_dict(raw: dict[str, Any]) -> DirectoryConfig:
                if not raw.get(n)]
     if missing:
         raise ConfigError(f"missing required keys: {', '.join(missing)}")
-    cfg = DirectoryConfig(peers=peers, limits=limits, raft=tuning, **raw)
+    try:
+        cfg = DirectoryConfig(peers=peers, limits=limits, raft=tuning, **raw)
+    except TypeError as e:
+        raise ConfigError(str(e)) from e
+    _check(cfg)
     ids = [cfg.replica_id, *(p.replica_id for p in peers)]
     if len(set(ids)) != len(ids):
         raise ConfigError("replica ids must be unique")
     return cfg
+
+
+def _check(cfg: DirectoryConfig) -> None:
+    """Refuse values pysyncobj would assert on, or that make no sense, with a reason."""
+    t = cfg.raft
+    if not 0 < t.append_entries_period_s * 3 < t.election_min_s < t.election_max_s:
+        raise ConfigError("[raft] needs 0 < 3 * append_entries_period_s < election_min_s "
+                          "< election_max_s")
+    if t.connection_timeout_s < t.election_max_s:
+        raise ConfigError("[raft] connection_timeout_s must be >= election_max_s")
+    if t.leader_fallback_s <= t.append_entries_period_s:
+        raise ConfigError("[raft] leader_fallback_s must be > append_entries_period_s")
+    for name in ("compaction_min_entries", "commands_queue_max"):
+        if getattr(t, name) <= 0:
+            raise ConfigError(f"[raft] {name} must be > 0")
+    for f in dataclasses.fields(cfg.limits):
+        if getattr(cfg.limits, f.name) <= 0:
+            raise ConfigError(f"[limits] {f.name} must be > 0")
+    if cfg.limits.lookup_nodes_default > cfg.limits.lookup_nodes_max:
+        raise ConfigError("[limits] lookup_nodes_default must be <= lookup_nodes_max")
+    if cfg.log_format not in ("json", "text"):
+        raise ConfigError("log_format must be 'json' or 'text'")
+    if cfg.grpc_workers <= 0 or cfg.lease_sweep_ms <= 0 or cfg.lease_default_ms <= 0:
+        raise ConfigError("grpc_workers, lease_sweep_ms and lease_default_ms must be > 0")
 
 
 def load(path: str, overrides: dict[str, Any] | None = None) -> DirectoryConfig:

@@ -265,7 +265,7 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
             state = self._snap_state
             if state in (SERIALIZER_STATE.SUCCESS, SERIALIZER_STATE.FAILED):
                 self._snap_state = SERIALIZER_STATE.NOT_SERIALIZING
-            return state
+            return int(state)
 
     def _deserialize(self, path: str) -> tuple[Any, Any, Any]:
         """Load a dump (at start, or one the leader sent): returns pysyncobj's metadata."""

@@ -222,12 +222,9 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
             nm = out.add(node_id=node.node_id, prefix_blocks=m.prefix_blocks, host=node.host,
                          agent_endpoint=node.endpoint, transports=node.transports)
             if not omit_records:
-                rec = table.records(m.slots)
-                nm.addresses.extend(rec.addresses)
-                nm.lengths.extend(rec.lengths)
-                nm.rkeys.extend(rec.rkeys)
-                nm.generations.extend(rec.generations)
-                nm.tiers.extend(rec.tiers)
+                rec = table.packed_records(m.slots)
+                nm.addresses, nm.lengths, nm.rkeys = rec.addresses, rec.lengths, rec.rkeys
+                nm.generations, nm.tiers = rec.generations, rec.tiers
 
     @_rpc
     def Lookup(self, request: pb.LookupRequest,

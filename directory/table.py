@@ -18,11 +18,9 @@ Thread-safety: none here; the Raft adapter serialises `apply` against reads.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import itemgetter
 
+from directory import lookup as prefix_lookup
 from directory.commands import (
     Barrier,
     ClearNode,
@@ -49,16 +47,6 @@ NIL = 0xFFFFFFFF
 """End of a slot chain, and the node index of a free slot."""
 
 _TIERS = frozenset(int(t) for t in Tier)
-
-
-def _getter(idx: list[int]) -> Callable[[Sequence[int]], object]:
-    """A C-level gather of `idx` from a column (`itemgetter` with one index
-    returns a scalar, not a tuple; `_tuple` undoes that)."""
-    return itemgetter(*idx)
-
-
-def _tuple(v: object) -> tuple[int, ...]:
-    return v if isinstance(v, tuple) else (v,)  # type: ignore[return-value]
 
 
 @dataclass(slots=True)
@@ -432,83 +420,30 @@ class Table:
         Best first: longer prefix, then node id (deterministic). A node holding
         a block in several tiers contributes its best tier (GPU before host).
         """
-        ns = self.ns_ids.get(namespace)
-        if ns is None or not chain or max_nodes <= 0:
-            return []
-        # Chain heads for every block in one C-level pass; the prefix any node
-        # can hold ends at the first block nobody holds.
-        heads = list(map(self.blocks[ns].get, chain, repeat(NIL, len(chain))))
-        if NIL in heads:
-            heads = heads[: heads.index(NIL)]
-        if not heads:
+        if max_nodes <= 0:
             return []
         exclude = self.node_idx.get(exclude_node, NIL) if exclude_node else NIL
-        c = self.col
-        if len(heads) == 1 or _getter(heads)(c.bnext).count(NIL) == len(heads):
-            found = self._single_holder_prefix(heads, exclude)
-        else:
-            found = self._multi_holder_prefixes(heads, exclude)
-        by_idx = self.node_by_idx
         matches = []
-        for n, slots in found:
-            node = by_idx[n]
-            assert node is not None
+        for n, slots in prefix_lookup.longest_prefixes(self, namespace, chain, exclude):
+            node = self.node_by_idx[n]
+            assert node is not None, "a slot points at a forgotten node"
             matches.append(Match(node, slots))
-        matches.sort(key=lambda m: (-len(m.slots), m.node.node_id))
-        return matches[:max_nodes]
-
-    def _single_holder_prefix(self, heads: list[int], exclude: int) -> list[tuple[int, list[int]]]:
-        """Fast path: every block of the chain has exactly one holder slot."""
-        nodes = _tuple(_getter(heads)(self.col.node))
-        n0 = nodes[0]
-        if n0 == exclude:
-            return []
-        run = len(nodes)
-        if nodes.count(n0) != run:
-            run = next(i for i, n in enumerate(nodes) if n != n0)
-        return [(n0, heads[:run])]
-
-    def _multi_holder_prefixes(self, heads: list[int],
-                               exclude: int) -> list[tuple[int, list[int]]]:
-        c = self.col
-        cnode, ctier, cnext = c.node, c.tier, c.bnext
-        out = []
-        for n in self._holders(heads[0], exclude):
-            slots = []
-            for head in heads:
-                best, s = NIL, head
-                while s != NIL:
-                    if cnode[s] == n and (best == NIL or ctier[s] < ctier[best]):
-                        best = s
-                    s = cnext[s]
-                if best == NIL:
-                    break
-                slots.append(best)
-            out.append((n, slots))
-        return out
-
-    def _holders(self, head: int, exclude: int) -> list[int]:
-        """Distinct nodes on one block's holder chain, in chain order."""
-        c = self.col
-        seen: list[int] = []
-        s = head
-        while s != NIL:
-            n = c.node[s]
-            if n != exclude and n not in seen:
-                seen.append(n)
-            s = c.bnext[s]
-        return seen
+        return prefix_lookup.sort_matches(matches, max_nodes)
 
     def records(self, slots: list[int]) -> Records:
+        """Holder records of `slots` as Python ints (tests, tools)."""
         c = self.col
-        get = _getter(slots)
         return Records(
-            _tuple(get(c.addr)),
-            _tuple(get(c.length)),
-            _tuple(get(c.rkey)),
-            _tuple(get(c.gen)),
-            _tuple(get(c.tier)),
+            tuple(c.addr[s] for s in slots),
+            tuple(c.length[s] for s in slots),
+            tuple(c.rkey[s] for s in slots),
+            tuple(c.gen[s] for s in slots),
+            tuple(c.tier[s] for s in slots),
         )
+
+    def packed_records(self, slots: list[int]) -> prefix_lookup.PackedRecords:
+        """Holder records of `slots` as packed little-endian bytes (the wire form)."""
+        return prefix_lookup.packed_records(self, slots)
 
     @property
     def block_count(self) -> int:

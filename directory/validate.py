@@ -76,10 +76,11 @@ def hashes(block_hashes: Sequence[bytes], block_ids: Sequence[int], limit: int,
         packed = struct.pack(f">{n}Q", *block_ids)
         return [packed[i : i + 8] for i in range(0, 8 * n, 8)]
     out = list(block_hashes)
-    for h in out:
-        if not 0 < len(h) <= HASH_BYTES_MAX:
-            raise BadRequest("bad-hashes",
-                             f"{what}: a block hash has {len(h)} bytes (1..{HASH_BYTES_MAX})")
+    widths = set(map(len, out))  # one C-level pass; usually a single width
+    if widths and not (0 < min(widths) and max(widths) <= HASH_BYTES_MAX):
+        bad = min(widths) if min(widths) == 0 else max(widths)
+        raise BadRequest("bad-hashes",
+                         f"{what}: a block hash has {bad} bytes (1..{HASH_BYTES_MAX})")
     return out
 
 

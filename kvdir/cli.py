@@ -11,6 +11,7 @@ Failures print one line, ``kvdir: error: ...``, and exit non-zero.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
@@ -20,6 +21,7 @@ from typing import Any
 
 from directory.client import DirectoryClient, DirectoryError, namespace
 from directory.config import ConfigError, DirectoryConfig, from_dict, load, parse_peer
+from directory.raft import RaftTuning
 from proto.kvdir.v1 import directory_pb2 as pb
 
 DEFAULT_ADDRS = "127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103"
@@ -39,15 +41,37 @@ def _serve_config(args: argparse.Namespace) -> DirectoryConfig:
         "log_format": args.log_format, "enable_echo": True if args.enable_echo else None,
     }
     peers = [parse_peer(p) for p in args.peer]
+    tune = _tuning(args.tune)
     if args.config:
         cfg = load(args.config, overrides)
+        if tune:
+            cfg = dataclasses.replace(cfg, raft=dataclasses.replace(cfg.raft, **tune))
         if peers:
             raise ConfigError("give peers in the config file or as --peer flags, not both")
         return cfg
     raw = {k: v for k, v in overrides.items() if v is not None}
     raw["peers"] = [{"replica_id": p.replica_id, "raft_address": p.raft_address,
                      "grpc_address": p.grpc_address} for p in peers]
+    if tune:
+        raw["raft"] = tune
     return from_dict(raw)
+
+
+def _tuning(specs: list[str]) -> dict[str, Any]:
+    """`--tune KEY=VALUE` flags as RaftTuning overrides, typed like the field."""
+    fields = {f.name: f for f in dataclasses.fields(RaftTuning)}
+    out: dict[str, Any] = {}
+    for spec in specs:
+        key, sep, value = spec.partition("=")
+        if not sep or key not in fields:
+            raise ConfigError(f"--tune {spec!r}: expected one of {', '.join(sorted(fields))}"
+                              " as KEY=VALUE")
+        kind = int if fields[key].type in ("int", int) else float
+        try:
+            out[key] = kind(value)
+        except ValueError as e:
+            raise ConfigError(f"--tune {spec!r}: {value!r} is not a {kind.__name__}") from e
+    return out
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -189,6 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data-dir", help="journal and snapshot directory")
     s.add_argument("--peer", action="append", default=[],
                    help="ID=RAFT_HOST:PORT,GRPC_HOST:PORT (repeat per peer)")
+    s.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a Raft tuning field (directory.raft.RaftTuning)")
     s.add_argument("--enable-echo", action="store_true",
                    help="also serve the Echo baseline used by `kvdir bench directory`")
     s.add_argument("--log-format", choices=["json", "text"])

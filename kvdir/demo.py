@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Any
 
-from directory.client import DirectoryClient, namespace
+from directory.client import DirectoryClient, namespace, records
 from directory.hashing import block_chain
 from kvdir.local import LocalCluster
 from proto.kvdir.v1 import directory_pb2 as pb
@@ -88,8 +88,9 @@ def workload(cluster: LocalCluster, seed: int) -> None:
         resp = c.lookup(ns, query, exclude_node="node-a", linearizable=True)
         check([m.node_id for m in resp.matches] == ["node-b"], "exclude_node did not apply")
         m = resp.matches[0]
+        rec = records(m)
         print(f"    excluding node-a: node-b holds {m.prefix_blocks} blocks; block 0 at "
-              f"{m.addresses[0]:#x} rkey {m.rkeys[0]:#x} gen {m.generations[0]}")
+              f"{rec.addresses[0]:#x} rkey {rec.rkeys[0]:#x} gen {rec.generations[0]}")
 
 
 def run(args: argparse.Namespace) -> int:

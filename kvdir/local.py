@@ -8,6 +8,7 @@ on a condition with a deadline.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -124,10 +125,8 @@ class LocalCluster:
             for r in self.replicas:
                 if not r.alive:
                     continue
-                try:
+                with contextlib.suppress(DirectoryError):
                     out[r.replica_id] = c.status(r.grpc_address)
-                except DirectoryError:
-                    pass
         return out
 
     def leader(self) -> Replica | None:

@@ -322,8 +322,12 @@ Global___LookupRequest: _TypeAlias = LookupRequest  # noqa: Y015
 
 @_typing.final
 class NodeMatch(_message.Message):
-    """One holder node's contiguous prefix from block 0. Record columns have
-    `prefix_blocks` elements (or none when records were omitted).
+    """One holder node's contiguous prefix from block 0.
+
+    The holder records of the prefix's blocks come as packed little-endian
+    columns of `prefix_blocks` elements each (empty when omit_records): building
+    5 x 500 protobuf scalars per answer cost more than the whole lookup, packed
+    bytes cost a memcpy. `directory.client.records()` decodes them.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -342,18 +346,18 @@ class NodeMatch(_message.Message):
     prefix_blocks: _builtins.int
     host: _builtins.str
     agent_endpoint: _builtins.str
+    addresses: _builtins.bytes
+    """u64 each: remote address of the block"""
+    lengths: _builtins.bytes
+    """u32 each: bytes of the block"""
+    rkeys: _builtins.bytes
+    """u32 each: memory key that grants the read"""
+    generations: _builtins.bytes
+    """u64 each: slot generation the reader validates"""
+    tiers: _builtins.bytes
+    """u8 each: Tier value"""
     @_builtins.property
     def transports(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
-    @_builtins.property
-    def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def lengths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def rkeys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def generations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
-    @_builtins.property
-    def tiers(self) -> _containers.RepeatedScalarFieldContainer[Global___Tier.ValueType]: ...
     def __init__(
         self,
         *,
@@ -362,11 +366,11 @@ class NodeMatch(_message.Message):
         host: _builtins.str = ...,
         agent_endpoint: _builtins.str = ...,
         transports: _abc.Iterable[_builtins.str] | None = ...,
-        addresses: _abc.Iterable[_builtins.int] | None = ...,
-        lengths: _abc.Iterable[_builtins.int] | None = ...,
-        rkeys: _abc.Iterable[_builtins.int] | None = ...,
-        generations: _abc.Iterable[_builtins.int] | None = ...,
-        tiers: _abc.Iterable[Global___Tier.ValueType] | None = ...,
+        addresses: _builtins.bytes = ...,
+        lengths: _builtins.bytes = ...,
+        rkeys: _builtins.bytes = ...,
+        generations: _builtins.bytes = ...,
+        tiers: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
