@@ -26,7 +26,7 @@ import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -89,28 +89,51 @@ def _column(code: str, data: bytes, n: int) -> list[int]:
 def records(match: pb.NodeMatch) -> HolderRecords:
     """The holder records of a lookup match (empty when records were omitted)."""
     n = match.prefix_blocks if match.addresses else 0
-    return HolderRecords(_column("Q", match.addresses, n), _column("I", match.lengths, n),
-                         _column("I", match.rkeys, n), _column("Q", match.generations, n),
-                         list(match.tiers))
+    return HolderRecords(
+        _column("Q", match.addresses, n),
+        _column("I", match.lengths, n),
+        _column("I", match.rkeys, n),
+        _column("Q", match.generations, n),
+        list(match.tiers),
+    )
 
 
-def namespace(model: str, block_tokens: int, dtype: str = "", layout: str = "",
-              tp_rank: int = 0, tp_size: int = 0) -> pb.Namespace:
-    return pb.Namespace(model=model, dtype=dtype, block_tokens=block_tokens, layout=layout,
-                        tp_rank=tp_rank, tp_size=tp_size)
+def namespace(
+    model: str,
+    block_tokens: int,
+    dtype: str = "",
+    layout: str = "",
+    tp_rank: int = 0,
+    tp_size: int = 0,
+) -> pb.Namespace:
+    return pb.Namespace(
+        model=model,
+        dtype=dtype,
+        block_tokens=block_tokens,
+        layout=layout,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+    )
 
 
 class DirectoryClient:
-    def __init__(self, addresses: Sequence[str], timeout_s: float = 5.0,
-                 retry_unknown: bool = True, rng: random.Random | None = None) -> None:
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        timeout_s: float = 5.0,
+        retry_unknown: bool = True,
+        rng: random.Random | None = None,
+    ) -> None:
         if not addresses:
             raise ValueError("at least one directory address is required")
         self.addresses = list(addresses)
         self.timeout_s = timeout_s
         self.retry_unknown = retry_unknown
         self._rng = rng or random.Random()
-        opts = [("grpc.max_send_message_length", _MESSAGE_BYTES_MAX),
-                ("grpc.max_receive_message_length", _MESSAGE_BYTES_MAX)]
+        opts = [
+            ("grpc.max_send_message_length", _MESSAGE_BYTES_MAX),
+            ("grpc.max_receive_message_length", _MESSAGE_BYTES_MAX),
+        ]
         self._channels = {a: grpc.insecure_channel(a, options=opts) for a in self.addresses}
         self._stubs = {a: pb_grpc.PrefixDirectoryStub(c) for a, c in self._channels.items()}
         self._preferred = 0
@@ -135,8 +158,9 @@ class DirectoryClient:
         else:
             self._preferred = (self._preferred + 1) % len(self.addresses)
 
-    def call(self, method: str, request: Any, timeout_s: float | None = None,
-             address: str | None = None) -> Any:
+    def call(
+        self, method: str, request: Any, timeout_s: float | None = None, address: str | None = None
+    ) -> Any:
         """Call `method` with retries (see the module docstring) within one deadline."""
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         last: grpc.RpcError | None = None
@@ -152,16 +176,16 @@ class DirectoryClient:
                 code = e.code()
                 md = _metadata(e)
                 unknown = md.get("kvdir-outcome") == "unknown" or code in _UNKNOWN
-                if code == grpc.StatusCode.INVALID_ARGUMENT or code not in (
-                        _RETRYABLE | _UNKNOWN):
-                    raise DirectoryError(code, e.details() or code.name,
-                                         str(md.get("kvdir-reason", ""))) from e
+                if code == grpc.StatusCode.INVALID_ARGUMENT or code not in (_RETRYABLE | _UNKNOWN):
+                    raise DirectoryError(
+                        code, e.details() or code.name, str(md.get("kvdir-reason", ""))
+                    ) from e
                 if unknown and not self.retry_unknown:
                     raise OutcomeUnknown(code, e.details() or code.name) from e
                 if address is None:
                     self._next_address(str(md.get("kvdir-leader", "")))
             self.retries += 1
-            pause = min(BACKOFF_S_MAX, BACKOFF_S_MIN * (2 ** attempt))
+            pause = min(BACKOFF_S_MAX, BACKOFF_S_MIN * (2**attempt))
             left = max(0.0, deadline - time.monotonic())
             time.sleep(min(pause * (0.5 + self._rng.random()), left))
         detail = last.details() if last is not None else "deadline passed"
@@ -171,40 +195,86 @@ class DirectoryClient:
 
     # ------------------------------------------------------------- writes
 
-    def register_node(self, node_id: str, host: str, incarnation: int, endpoint: str = "",
-                      transports: Sequence[str] = (), lease_ms: int = 0
-                      ) -> pb.RegisterNodeResponse:
-        req = pb.RegisterNodeRequest(node_id=node_id, host=host, agent_endpoint=endpoint,
-                                     transports=transports, incarnation=incarnation,
-                                     lease_ms=lease_ms)
+    def register_node(
+        self,
+        node_id: str,
+        host: str,
+        incarnation: int,
+        endpoint: str = "",
+        transports: Sequence[str] = (),
+        lease_ms: int = 0,
+    ) -> pb.RegisterNodeResponse:
+        req = pb.RegisterNodeRequest(
+            node_id=node_id,
+            host=host,
+            agent_endpoint=endpoint,
+            transports=transports,
+            incarnation=incarnation,
+            lease_ms=lease_ms,
+        )
         resp: pb.RegisterNodeResponse = self.call("RegisterNode", req)
         return resp
 
     def heartbeat(self, node_id: str, incarnation: int) -> pb.HeartbeatResponse:
         resp: pb.HeartbeatResponse = self.call(
-            "Heartbeat", pb.HeartbeatRequest(node_id=node_id, incarnation=incarnation))
+            "Heartbeat", pb.HeartbeatRequest(node_id=node_id, incarnation=incarnation)
+        )
         return resp
 
-    def publish(self, node_id: str, incarnation: int, ns: pb.Namespace, tier: pb.Tier.ValueType,
-                hashes: Sequence[bytes], addresses: Sequence[int], lengths: Sequence[int],
-                rkeys: Sequence[int], generations: Sequence[int]) -> pb.PublishResponse:
-        req = pb.PublishRequest(node_id=node_id, incarnation=incarnation, namespace=ns,
-                                tier=tier, block_hashes=hashes, addresses=addresses,
-                                lengths=lengths, rkeys=rkeys, generations=generations)
+    def publish(
+        self,
+        node_id: str,
+        incarnation: int,
+        ns: pb.Namespace,
+        tier: int,
+        hashes: Sequence[bytes],
+        addresses: Sequence[int],
+        lengths: Sequence[int],
+        rkeys: Sequence[int],
+        generations: Sequence[int],
+    ) -> pb.PublishResponse:
+        req = pb.PublishRequest(
+            node_id=node_id,
+            incarnation=incarnation,
+            namespace=ns,
+            tier=cast("pb.Tier.ValueType", tier),
+            block_hashes=hashes,
+            addresses=addresses,
+            lengths=lengths,
+            rkeys=rkeys,
+            generations=generations,
+        )
         resp: pb.PublishResponse = self.call("Publish", req)
         return resp
 
-    def remove(self, node_id: str, incarnation: int, ns: pb.Namespace, tier: pb.Tier.ValueType,
-               hashes: Sequence[bytes], generations: Sequence[int] = ()) -> pb.RemoveResponse:
-        req = pb.RemoveRequest(node_id=node_id, incarnation=incarnation, namespace=ns,
-                               tier=tier, block_hashes=hashes, generations=generations)
+    def remove(
+        self,
+        node_id: str,
+        incarnation: int,
+        ns: pb.Namespace,
+        tier: int,
+        hashes: Sequence[bytes],
+        generations: Sequence[int] = (),
+    ) -> pb.RemoveResponse:
+        req = pb.RemoveRequest(
+            node_id=node_id,
+            incarnation=incarnation,
+            namespace=ns,
+            tier=cast("pb.Tier.ValueType", tier),
+            block_hashes=hashes,
+            generations=generations,
+        )
         resp: pb.RemoveResponse = self.call("Remove", req)
         return resp
 
-    def clear_node(self, node_id: str, incarnation: int, ns: pb.Namespace | None = None,
-                   deregister: bool = False) -> pb.ClearNodeResponse:
-        req = pb.ClearNodeRequest(node_id=node_id, incarnation=incarnation,
-                                  deregister=deregister)
+    def clear_node(
+        self,
+        node_id: str,
+        incarnation: int,
+        ns: pb.Namespace | None = None,
+        deregister: bool = False,
+    ) -> pb.ClearNodeResponse:
+        req = pb.ClearNodeRequest(node_id=node_id, incarnation=incarnation, deregister=deregister)
         if ns is not None:
             req.namespace.CopyFrom(ns)
         resp: pb.ClearNodeResponse = self.call("ClearNode", req)
@@ -212,28 +282,44 @@ class DirectoryClient:
 
     # -------------------------------------------------------------- reads
 
-    def lookup(self, ns: pb.Namespace, chain: Sequence[bytes], max_nodes: int = 0,
-               exclude_node: str = "", linearizable: bool = False,
-               address: str | None = None, omit_records: bool = False) -> pb.LookupResponse:
-        req = pb.LookupRequest(namespace=ns, block_hashes=chain, max_nodes=max_nodes,
-                               exclude_node=exclude_node, linearizable=linearizable,
-                               omit_records=omit_records)
+    def lookup(
+        self,
+        ns: pb.Namespace,
+        chain: Sequence[bytes],
+        max_nodes: int = 0,
+        exclude_node: str = "",
+        linearizable: bool = False,
+        address: str | None = None,
+        omit_records: bool = False,
+    ) -> pb.LookupResponse:
+        req = pb.LookupRequest(
+            namespace=ns,
+            block_hashes=chain,
+            max_nodes=max_nodes,
+            exclude_node=exclude_node,
+            linearizable=linearizable,
+            omit_records=omit_records,
+        )
         resp: pb.LookupResponse = self.call("Lookup", req, address=address)
         return resp
 
-    def lookup_batch(self, lookups: Sequence[pb.LookupRequest], linearizable: bool = False,
-                     address: str | None = None) -> pb.LookupBatchResponse:
+    def lookup_batch(
+        self,
+        lookups: Sequence[pb.LookupRequest],
+        linearizable: bool = False,
+        address: str | None = None,
+    ) -> pb.LookupBatchResponse:
         req = pb.LookupBatchRequest(lookups=lookups, linearizable=linearizable)
         resp: pb.LookupBatchResponse = self.call("LookupBatch", req, address=address)
         return resp
 
     def list_nodes(self, address: str | None = None) -> pb.ListNodesResponse:
-        resp: pb.ListNodesResponse = self.call("ListNodes", pb.ListNodesRequest(),
-                                               address=address)
+        resp: pb.ListNodesResponse = self.call("ListNodes", pb.ListNodesRequest(), address=address)
         return resp
 
     def status(self, address: str) -> pb.ClusterStatusResponse:
         """One replica's own view (no failover: the caller asked for that replica)."""
-        resp: pb.ClusterStatusResponse = self.call("ClusterStatus", pb.ClusterStatusRequest(),
-                                                   address=address)
+        resp: pb.ClusterStatusResponse = self.call(
+            "ClusterStatus", pb.ClusterStatusRequest(), address=address
+        )
         return resp

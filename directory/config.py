@@ -97,8 +97,9 @@ def from_dict(raw: dict[str, Any]) -> DirectoryConfig:
     unknown = sorted(set(raw) - names)
     if unknown:
         raise ConfigError(f"unknown keys: {', '.join(unknown)}")
-    missing = [n for n in ("replica_id", "raft_address", "grpc_address", "data_dir")
-               if not raw.get(n)]
+    missing = [
+        n for n in ("replica_id", "raft_address", "grpc_address", "data_dir") if not raw.get(n)
+    ]
     if missing:
         raise ConfigError(f"missing required keys: {', '.join(missing)}")
     try:
@@ -116,8 +117,9 @@ def _check(cfg: DirectoryConfig) -> None:
     """Refuse values pysyncobj would assert on, or that make no sense, with a reason."""
     t = cfg.raft
     if not 0 < t.append_entries_period_s * 3 < t.election_min_s < t.election_max_s:
-        raise ConfigError("[raft] needs 0 < 3 * append_entries_period_s < election_min_s "
-                          "< election_max_s")
+        raise ConfigError(
+            "[raft] needs 0 < 3 * append_entries_period_s < election_min_s < election_max_s"
+        )
     if t.connection_timeout_s < t.election_max_s:
         raise ConfigError("[raft] connection_timeout_s must be >= election_max_s")
     if t.leader_fallback_s <= t.append_entries_period_s:

@@ -65,8 +65,12 @@ class DirectoryDaemon:
         cfg = self.cfg
         try:
             self.replica = DirectoryReplica(
-                cfg.raft_address, [p.raft_address for p in cfg.peers], cfg.data_dir, cfg.raft,
-                on_state_changed=self._on_state_changed)
+                cfg.raft_address,
+                [p.raft_address for p in cfg.peers],
+                cfg.data_dir,
+                cfg.raft,
+                on_state_changed=self._on_state_changed,
+            )
         except OSError as e:
             raise StartError(f"cannot open data dir {cfg.data_dir}: {e}") from e
         try:
@@ -77,19 +81,26 @@ class DirectoryDaemon:
         replica = self.replica
         service = DirectoryService(cfg, replica, self.metrics, lambda: self._role, self.clock)
         self.metrics.bind(
-            role=lambda: self._role, term=lambda: replica.raftCurrentTerm,
+            role=lambda: self._role,
+            term=lambda: replica.raftCurrentTerm,
             commit_index=lambda: replica.raftCommitIndex,
             applied_index=lambda: replica.raftLastApplied,
             has_leader=lambda: 0 if replica.leader_address() is None else 1,
-            entries=lambda: replica.table.entries, nodes=lambda: len(replica.table.nodes),
-            namespaces=lambda: len(replica.table.ns_names))
+            entries=lambda: replica.table.entries,
+            nodes=lambda: len(replica.table.nodes),
+            namespaces=lambda: len(replica.table.ns_names),
+        )
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers,
-                                       thread_name_prefix="kvdir-grpc"),
+            futures.ThreadPoolExecutor(
+                max_workers=cfg.grpc_workers, thread_name_prefix="kvdir-grpc"
+            ),
             maximum_concurrent_rpcs=cfg.grpc_workers * 8,
-            options=[("grpc.max_send_message_length", GRPC_MESSAGE_BYTES_MAX),
-                     ("grpc.max_receive_message_length", GRPC_MESSAGE_BYTES_MAX),
-                     ("grpc.so_reuseport", 0)])
+            options=[
+                ("grpc.max_send_message_length", GRPC_MESSAGE_BYTES_MAX),
+                ("grpc.max_receive_message_length", GRPC_MESSAGE_BYTES_MAX),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
         pb_grpc.add_PrefixDirectoryServicer_to_server(service, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
@@ -107,21 +118,32 @@ class DirectoryDaemon:
         if cfg.metrics_address:
             host, _, port = cfg.metrics_address.rpartition(":")
             try:
-                self._metrics_server, _ = start_http_server(int(port), host,
-                                                            self.metrics.registry)
+                self._metrics_server, _ = start_http_server(int(port), host, self.metrics.registry)
             except OSError as e:
                 self.stop()
                 raise StartError(f"cannot serve metrics on {cfg.metrics_address}: {e}") from e
-        sweeper = LeaseSweeper(replica, self.clock, cfg.lease_sweep_ms, self.metrics,
-                               cfg.limits.write_timeout_ms / 1000)
+        sweeper = LeaseSweeper(
+            replica,
+            self.clock,
+            cfg.lease_sweep_ms,
+            self.metrics,
+            cfg.limits.write_timeout_ms / 1000,
+        )
         sweeper.stop = self._stop
         for name, target in (("kvdir-health", self._health_loop), ("kvdir-leases", sweeper.run)):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
-        log.info("directory replica started", extra={
-            "replica_id": cfg.replica_id, "raft": cfg.raft_address, "grpc": cfg.grpc_address,
-            "metrics": cfg.metrics_address, "peers": [p.replica_id for p in cfg.peers]})
+        log.info(
+            "directory replica started",
+            extra={
+                "replica_id": cfg.replica_id,
+                "raft": cfg.raft_address,
+                "grpc": cfg.grpc_address,
+                "metrics": cfg.metrics_address,
+                "peers": [p.replica_id for p in cfg.peers],
+            },
+        )
 
     def _serving(self) -> bool:
         r = self.replica
@@ -134,8 +156,11 @@ class DirectoryDaemon:
         while not self._stop.wait(HEALTH_INTERVAL_S):
             serving = self._serving()
             if serving != last:
-                status = (health_pb2.HealthCheckResponse.SERVING if serving
-                          else health_pb2.HealthCheckResponse.NOT_SERVING)
+                status = (
+                    health_pb2.HealthCheckResponse.SERVING
+                    if serving
+                    else health_pb2.HealthCheckResponse.NOT_SERVING
+                )
                 self.health.set("", status)
                 self.health.set(SERVICE_NAME, status)
                 last = serving

@@ -54,10 +54,15 @@ class _V:
 
 @contextmanager
 def _views(c: Columns) -> Iterator[_V]:
-    v = _V(np.frombuffer(c.addr, np.uint64), np.frombuffer(c.length, np.uint32),
-           np.frombuffer(c.rkey, np.uint32), np.frombuffer(c.gen, np.uint64),
-           np.frombuffer(c.tier, np.uint8), np.frombuffer(c.node, np.uint32),
-           np.frombuffer(c.bnext, np.uint32))
+    v = _V(
+        np.frombuffer(c.addr, np.uint64),
+        np.frombuffer(c.length, np.uint32),
+        np.frombuffer(c.rkey, np.uint32),
+        np.frombuffer(c.gen, np.uint64),
+        np.frombuffer(c.tier, np.uint8),
+        np.frombuffer(c.node, np.uint32),
+        np.frombuffer(c.bnext, np.uint32),
+    )
     try:
         yield v
     finally:
@@ -66,8 +71,9 @@ def _views(c: Columns) -> Iterator[_V]:
         v.addr = v.length = v.rkey = v.gen = v.tier = v.node = v.bnext = None
 
 
-def longest_prefixes(table: Table, namespace: str, chain: list[bytes],
-                     exclude: int) -> list[tuple[int, list[int]]]:
+def longest_prefixes(
+    table: Table, namespace: str, chain: list[bytes], exclude: int
+) -> list[tuple[int, list[int]]]:
     """(node index, slots of its contiguous prefix) for every holder of block 0."""
     ns = table.ns_ids.get(namespace)
     if ns is None or not chain:

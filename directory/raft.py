@@ -104,9 +104,14 @@ class _Round:
 class DirectoryReplica(SyncObj):  # type: ignore[misc]
     """One directory replica: the table, replicated by pysyncobj."""
 
-    def __init__(self, self_address: str, peer_addresses: list[str], data_dir: str,
-                 tuning: RaftTuning | None = None,
-                 on_state_changed: Callable[[int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        self_address: str,
+        peer_addresses: list[str],
+        data_dir: str,
+        tuning: RaftTuning | None = None,
+        on_state_changed: Callable[[int, int], None] | None = None,
+    ) -> None:
         tuning = tuning or RaftTuning()
         os.makedirs(data_dir, exist_ok=True)
         self.lock = threading.Lock()
@@ -156,8 +161,7 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
 
         def on_done(result: Result | None, error: int) -> None:
             outcome, reason = outcome_of(error)
-            callback(WriteResult(outcome, result if outcome is Outcome.COMMITTED else None,
-                                 reason))
+            callback(WriteResult(outcome, result if outcome is Outcome.COMMITTED else None, reason))
 
         self._apply_blob(blob, callback=on_done)
 
@@ -241,19 +245,34 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
         image = snapshot.capture(self.table)
         raft = {"cluster": sorted(str(n.address) for n in cluster)}
         capture_s = time.perf_counter() - t0
-        threading.Thread(target=self._write_dump, name="kvdir-snapshot", daemon=True,
-                         args=(image, raft, [entry_last, entry_prev], t0, capture_s)).start()
+        threading.Thread(
+            target=self._write_dump,
+            name="kvdir-snapshot",
+            daemon=True,
+            args=(image, raft, [entry_last, entry_prev], t0, capture_s),
+        ).start()
 
-    def _write_dump(self, image: snapshot.Image, raft: dict[str, Any],
-                    entries: list[snapshot.RaftEntry], t0: float, capture_s: float) -> None:
+    def _write_dump(
+        self,
+        image: snapshot.Image,
+        raft: dict[str, Any],
+        entries: list[snapshot.RaftEntry],
+        t0: float,
+        capture_s: float,
+    ) -> None:
         try:
             snapshot.write(image, self.dump_path, raft, entries)
             state = SERIALIZER_STATE.SUCCESS
             self.last_compaction_s = time.perf_counter() - t0
             self.compactions += 1
-            log.info("compaction done", extra={"entries": image.meta["entries"],
-                                               "capture_s": round(capture_s, 4),
-                                               "total_s": round(self.last_compaction_s, 4)})
+            log.info(
+                "compaction done",
+                extra={
+                    "entries": image.meta["entries"],
+                    "capture_s": round(capture_s, 4),
+                    "total_s": round(self.last_compaction_s, 4),
+                },
+            )
         except Exception:
             log.exception("compaction failed")
             state = SERIALIZER_STATE.FAILED

@@ -70,8 +70,9 @@ class WallClock:
         return time.time_ns() // 1_000_000
 
 
-def _rpc(method: Callable[[Any, Req, grpc.ServicerContext], Resp]
-         ) -> Callable[[Any, Req, grpc.ServicerContext], Resp]:
+def _rpc(
+    method: Callable[[Any, Req, grpc.ServicerContext], Resp],
+) -> Callable[[Any, Req, grpc.ServicerContext], Resp]:
     """Count and time an RPC, and turn a validation error into INVALID_ARGUMENT."""
     name = method.__name__
 
@@ -92,8 +93,14 @@ def _rpc(method: Callable[[Any, Req, grpc.ServicerContext], Resp]
 
 
 class DirectoryService(pb_grpc.PrefixDirectoryServicer):
-    def __init__(self, cfg: DirectoryConfig, replica: DirectoryReplica,
-                 metrics: DirectoryMetrics, role: Callable[[], int], clock: Clock) -> None:
+    def __init__(
+        self,
+        cfg: DirectoryConfig,
+        replica: DirectoryReplica,
+        metrics: DirectoryMetrics,
+        role: Callable[[], int],
+        clock: Clock,
+    ) -> None:
         self.cfg = cfg
         self.clock = clock
         self.limits = cfg.limits
@@ -110,8 +117,9 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         return "" if leader is None else self._grpc_of_raft.get(leader, "")
 
     def _unavailable(self, context: grpc.ServicerContext, message: str) -> NoReturn:
-        context.set_trailing_metadata((("kvdir-outcome", "not-applied"),
-                                       ("kvdir-leader", self.leader_grpc())))
+        context.set_trailing_metadata(
+            (("kvdir-outcome", "not-applied"), ("kvdir-leader", self.leader_grpc()))
+        )
         context.abort(grpc.StatusCode.UNAVAILABLE, message)
 
     def _timeout_s(self, context: grpc.ServicerContext, limit_ms: int) -> float:
@@ -123,8 +131,10 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         if self.replica.leader_address() is None:
             self._unavailable(context, "no leader: the directory has no quorum right now")
         if not self._inflight.acquire(blocking=False):
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                          f"over {self.limits.inflight_writes_max} writes waiting on raft")
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"over {self.limits.inflight_writes_max} writes waiting on raft",
+            )
         try:
             res = self.replica.write(cmd, self._timeout_s(context, self.limits.write_timeout_ms))
         finally:
@@ -133,12 +143,12 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         if res.outcome is Outcome.NOT_APPLIED:
             self._unavailable(context, f"not applied: {res.reason}")
         if res.outcome is Outcome.UNKNOWN:
-            context.set_trailing_metadata((("kvdir-outcome", "unknown"),
-                                           ("kvdir-leader", self.leader_grpc())))
+            context.set_trailing_metadata(
+                (("kvdir-outcome", "unknown"), ("kvdir-leader", self.leader_grpc()))
+            )
             expired = (context.time_remaining() or 1.0) <= 0
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.ABORTED
-            context.abort(code, f"outcome unknown: {res.reason}; the write is idempotent, "
-                                "retry it")
+            context.abort(code, f"outcome unknown: {res.reason}; the write is idempotent, retry it")
         result = res.result
         if isinstance(result, Rejected):
             context.set_trailing_metadata((("kvdir-reason", _REJECT_REASON[result.reason]),))
@@ -148,9 +158,13 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
 
     def read_info(self, linearizable: bool) -> pb.ReadInfo:
         r = self.replica
-        return pb.ReadInfo(replica_id=self.cfg.replica_id, role=_ROLE[self.role()],
-                           applied_index=r.raftLastApplied, commit_index=r.raftCommitIndex,
-                           linearizable=linearizable)
+        return pb.ReadInfo(
+            replica_id=self.cfg.replica_id,
+            role=_ROLE[self.role()],
+            applied_index=r.raftLastApplied,
+            commit_index=r.raftCommitIndex,
+            linearizable=linearizable,
+        )
 
     def _barrier(self, context: grpc.ServicerContext) -> None:
         if self.replica.leader_address() is None:
@@ -163,51 +177,70 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
     # ---------------------------------------------------------------- writes
 
     @_rpc
-    def Publish(self, request: pb.PublishRequest,
-                context: grpc.ServicerContext) -> pb.PublishResponse:
+    def Publish(
+        self, request: pb.PublishRequest, context: grpc.ServicerContext
+    ) -> pb.PublishResponse:
         cmd = validate.publish(request, self.limits)
         self.metrics.publish_batch.observe(len(cmd.hashes))
         res = self._write(cmd, context)
         assert isinstance(res, Published)
-        return pb.PublishResponse(applied=res.applied, stale=res.stale,
-                                  applied_index=self.replica.raftLastApplied)
+        return pb.PublishResponse(
+            applied=res.applied, stale=res.stale, applied_index=self.replica.raftLastApplied
+        )
 
     @_rpc
-    def Remove(self, request: pb.RemoveRequest,
-               context: grpc.ServicerContext) -> pb.RemoveResponse:
+    def Remove(self, request: pb.RemoveRequest, context: grpc.ServicerContext) -> pb.RemoveResponse:
         res = self._write(validate.remove(request, self.limits), context)
         assert isinstance(res, Removed)
         return pb.RemoveResponse(removed=res.removed, applied_index=self.replica.raftLastApplied)
 
     @_rpc
-    def RegisterNode(self, request: pb.RegisterNodeRequest,
-                     context: grpc.ServicerContext) -> pb.RegisterNodeResponse:
+    def RegisterNode(
+        self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext
+    ) -> pb.RegisterNodeResponse:
         nid, lease_ms = validate.registration(request, self.cfg.lease_default_ms)
-        cmd = RegisterNode(nid, request.host, request.agent_endpoint, tuple(request.transports),
-                           request.incarnation, lease_ms, self.clock.now_ms())
+        cmd = RegisterNode(
+            nid,
+            request.host,
+            request.agent_endpoint,
+            tuple(request.transports),
+            request.incarnation,
+            lease_ms,
+            self.clock.now_ms(),
+        )
         res = self._write(cmd, context)
         assert isinstance(res, Registered)
-        log.info("node registered", extra={"node_id": nid, "incarnation": request.incarnation,
-                                           "replaced": res.replaced_incarnation})
-        return pb.RegisterNodeResponse(lease_expiry_ms=res.lease_expiry_ms,
-                                       lease_ms=res.lease_ms,
-                                       replaced_incarnation=res.replaced_incarnation)
+        log.info(
+            "node registered",
+            extra={
+                "node_id": nid,
+                "incarnation": request.incarnation,
+                "replaced": res.replaced_incarnation,
+            },
+        )
+        return pb.RegisterNodeResponse(
+            lease_expiry_ms=res.lease_expiry_ms,
+            lease_ms=res.lease_ms,
+            replaced_incarnation=res.replaced_incarnation,
+        )
 
     @_rpc
-    def Heartbeat(self, request: pb.HeartbeatRequest,
-                  context: grpc.ServicerContext) -> pb.HeartbeatResponse:
-        cmd = Heartbeat(validate.node_id(request.node_id), request.incarnation,
-                        self.clock.now_ms())
+    def Heartbeat(
+        self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
+    ) -> pb.HeartbeatResponse:
+        cmd = Heartbeat(validate.node_id(request.node_id), request.incarnation, self.clock.now_ms())
         res = self._write(cmd, context)
         assert isinstance(res, Renewed)
         return pb.HeartbeatResponse(lease_expiry_ms=res.lease_expiry_ms)
 
     @_rpc
-    def ClearNode(self, request: pb.ClearNodeRequest,
-                  context: grpc.ServicerContext) -> pb.ClearNodeResponse:
+    def ClearNode(
+        self, request: pb.ClearNodeRequest, context: grpc.ServicerContext
+    ) -> pb.ClearNodeResponse:
         ns = validate.namespace_key(request.namespace) if request.HasField("namespace") else None
-        cmd = ClearNode(validate.node_id(request.node_id), request.incarnation, ns,
-                        request.deregister)
+        cmd = ClearNode(
+            validate.node_id(request.node_id), request.incarnation, ns, request.deregister
+        )
         res = self._write(cmd, context)
         assert isinstance(res, Removed)
         return pb.ClearNodeResponse(removed=res.removed)
@@ -219,16 +252,20 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         table = self.replica.table
         for m in matches:
             node = m.node
-            nm = out.add(node_id=node.node_id, prefix_blocks=m.prefix_blocks, host=node.host,
-                         agent_endpoint=node.endpoint, transports=node.transports)
+            nm = out.add(
+                node_id=node.node_id,
+                prefix_blocks=m.prefix_blocks,
+                host=node.host,
+                agent_endpoint=node.endpoint,
+                transports=node.transports,
+            )
             if not omit_records:
                 rec = table.packed_records(m.slots)
                 nm.addresses, nm.lengths, nm.rkeys = rec.addresses, rec.lengths, rec.rkeys
                 nm.generations, nm.tiers = rec.generations, rec.tiers
 
     @_rpc
-    def Lookup(self, request: pb.LookupRequest,
-               context: grpc.ServicerContext) -> pb.LookupResponse:
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         ns, chain, max_nodes = validate.lookup_chain(request, self.limits)
         self.metrics.lookup_chain.observe(len(chain))
         if request.linearizable:
@@ -241,13 +278,15 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         return resp
 
     @_rpc
-    def LookupBatch(self, request: pb.LookupBatchRequest,
-                    context: grpc.ServicerContext) -> pb.LookupBatchResponse:
+    def LookupBatch(
+        self, request: pb.LookupBatchRequest, context: grpc.ServicerContext
+    ) -> pb.LookupBatchResponse:
         if len(request.lookups) > self.limits.lookup_batch_max:
             raise validate.BadRequest(
                 "too-many-lookups",
                 f"{len(request.lookups)} lookups is over the limit of "
-                f"{self.limits.lookup_batch_max}")
+                f"{self.limits.lookup_batch_max}",
+            )
         parsed = [validate.lookup_chain(lk, self.limits) for lk in request.lookups]
         if request.linearizable:
             self._barrier(context)
@@ -261,35 +300,52 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         return resp
 
     @_rpc
-    def ListNodes(self, request: pb.ListNodesRequest,
-                  context: grpc.ServicerContext) -> pb.ListNodesResponse:
+    def ListNodes(
+        self, request: pb.ListNodesRequest, context: grpc.ServicerContext
+    ) -> pb.ListNodesResponse:
         resp = pb.ListNodesResponse()
         with self.replica.lock:
             for n in sorted(self.replica.table.nodes.values(), key=lambda n: n.node_id):
-                resp.nodes.add(node_id=n.node_id, host=n.host, agent_endpoint=n.endpoint,
-                               transports=n.transports, incarnation=n.incarnation,
-                               lease_expiry_ms=n.lease_expiry_ms, entries=n.entries)
+                resp.nodes.add(
+                    node_id=n.node_id,
+                    host=n.host,
+                    agent_endpoint=n.endpoint,
+                    transports=n.transports,
+                    incarnation=n.incarnation,
+                    lease_expiry_ms=n.lease_expiry_ms,
+                    entries=n.entries,
+                )
         resp.read.CopyFrom(self.read_info(False))
         return resp
 
     @_rpc
-    def ClusterStatus(self, request: pb.ClusterStatusRequest,
-                      context: grpc.ServicerContext) -> pb.ClusterStatusResponse:
+    def ClusterStatus(
+        self, request: pb.ClusterStatusRequest, context: grpc.ServicerContext
+    ) -> pb.ClusterStatusResponse:
         r = self.replica
         status = r.getStatus()
         leader = r.leader_address()
         replica_of = self.cfg.replica_of_raft()
         resp = pb.ClusterStatusResponse(
-            replica_id=self.cfg.replica_id, role=_ROLE[int(status["state"])],
+            replica_id=self.cfg.replica_id,
+            role=_ROLE[int(status["state"])],
             leader_id=replica_of.get(leader or "", leader or ""),
-            leader_grpc_address=self.leader_grpc(), term=status["raft_term"],
-            commit_index=status["commit_idx"], applied_index=status["last_applied"],
-            has_quorum=bool(status["has_quorum"]), log_entries=status["log_len"],
-            last_compaction_s=r.last_compaction_s)
+            leader_grpc_address=self.leader_grpc(),
+            term=status["raft_term"],
+            commit_index=status["commit_idx"],
+            applied_index=status["last_applied"],
+            has_quorum=bool(status["has_quorum"]),
+            log_entries=status["log_len"],
+            last_compaction_s=r.last_compaction_s,
+        )
         for addr, connected, is_self in r.members():
-            resp.members.add(replica_id=replica_of.get(addr, addr), raft_address=addr,
-                             grpc_address=self._grpc_of_raft.get(addr, ""),
-                             connected=connected, is_self=is_self)
+            resp.members.add(
+                replica_id=replica_of.get(addr, addr),
+                raft_address=addr,
+                grpc_address=self._grpc_of_raft.get(addr, ""),
+                connected=connected,
+                is_self=is_self,
+            )
         with r.lock:
             t = r.table
             resp.entries, resp.blocks = t.entries, t.block_count
@@ -316,8 +372,14 @@ class LeaseSweeper:
     never saw applied, and clocks of two replicas differ.
     """
 
-    def __init__(self, replica: DirectoryReplica, clock: Clock, interval_ms: int,
-                 metrics: DirectoryMetrics, write_timeout_s: float) -> None:
+    def __init__(
+        self,
+        replica: DirectoryReplica,
+        clock: Clock,
+        interval_ms: int,
+        metrics: DirectoryMetrics,
+        write_timeout_s: float,
+    ) -> None:
         self.replica = replica
         self.clock = clock
         self.interval_s = interval_ms / 1000
@@ -341,13 +403,16 @@ class LeaseSweeper:
         if self.leader_since_ms is None:
             self.leader_since_ms = now
         with self.replica.lock:
-            expired = self.replica.table.expired_nodes(now, EXPIRE_NODES_PER_COMMAND_MAX,
-                                                       grace_from_ms=self.leader_since_ms)
+            expired = self.replica.table.expired_nodes(
+                now, EXPIRE_NODES_PER_COMMAND_MAX, grace_from_ms=self.leader_since_ms
+            )
         if not expired:
             return
         res = self.replica.write(ExpireNodes(now, tuple(expired)), self.write_timeout_s)
         if res.outcome is Outcome.COMMITTED and isinstance(res.result, Expired):
             self.metrics.lease_expiries.inc(len(res.result.nodes))
             if res.result.nodes:
-                log.info("leases expired", extra={"nodes": list(res.result.nodes),
-                                                  "entries_removed": res.result.removed})
+                log.info(
+                    "leases expired",
+                    extra={"nodes": list(res.result.nodes), "entries_removed": res.result.removed},
+                )

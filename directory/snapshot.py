@@ -56,8 +56,19 @@ def capture(table: Table) -> Image:
     """Copy the table's state; the only part that runs on the Raft thread."""
     c = table.col
     nodes = [
-        None if n is None else [n.node_id, n.host, n.endpoint, list(n.transports),
-                                n.incarnation, n.lease_ms, n.lease_expiry_ms, n.head, n.entries]
+        None
+        if n is None
+        else [
+            n.node_id,
+            n.host,
+            n.endpoint,
+            list(n.transports),
+            n.incarnation,
+            n.lease_ms,
+            n.lease_expiry_ms,
+            n.head,
+            n.entries,
+        ]
         for n in table.node_by_idx
     ]
     meta = {
@@ -195,8 +206,9 @@ def _restore_meta(table: Table, header: dict[str, Any], heads: list[array[int]])
         if rec is None:
             table.node_by_idx.append(None)
             continue
-        node = NodeState(rec[0], rec[1], rec[2], tuple(rec[3]), rec[4], rec[5], rec[6],
-                         rec[7], rec[8])
+        node = NodeState(
+            rec[0], rec[1], rec[2], tuple(rec[3]), rec[4], rec[5], rec[6], rec[7], rec[8]
+        )
         table.node_by_idx.append(node)
         table.nodes[node.node_id] = node
         table.node_idx[node.node_id] = idx

@@ -91,8 +91,19 @@ class Records:
 class Columns:
     """The slot columns; one element per slot, free or used."""
 
-    __slots__ = ("addr", "bnext", "gen", "key", "length", "nnext", "node", "nprev", "ns", "rkey",
-                 "tier")
+    __slots__ = (
+        "addr",
+        "bnext",
+        "gen",
+        "key",
+        "length",
+        "nnext",
+        "node",
+        "nprev",
+        "ns",
+        "rkey",
+        "tier",
+    )
 
     def __init__(self) -> None:
         self.addr = array("Q")
@@ -109,8 +120,18 @@ class Columns:
 
     def arrays(self) -> list[array[int]]:
         """The numeric columns, in the snapshot's fixed order."""
-        return [self.addr, self.length, self.rkey, self.gen, self.tier, self.node, self.ns,
-                self.bnext, self.nprev, self.nnext]
+        return [
+            self.addr,
+            self.length,
+            self.rkey,
+            self.gen,
+            self.tier,
+            self.node,
+            self.ns,
+            self.bnext,
+            self.nprev,
+            self.nnext,
+        ]
 
     def __len__(self) -> int:
         return len(self.key)
@@ -158,8 +179,7 @@ class Table:
         if node.incarnation != incarnation:
             return Rejected(
                 Reject.STALE_INCARNATION,
-                f"node {node_id!r} incarnation {incarnation} is not the current "
-                f"{node.incarnation}",
+                f"node {node_id!r} incarnation {incarnation} is not the current {node.incarnation}",
             )
         return node
 
@@ -178,8 +198,15 @@ class Table:
             self._drop_node_entries(node, None)
             replaced = True
         if node is None:
-            node = NodeState(cmd.node_id, cmd.host, cmd.endpoint, cmd.transports,
-                             cmd.incarnation, cmd.lease_ms, expiry)
+            node = NodeState(
+                cmd.node_id,
+                cmd.host,
+                cmd.endpoint,
+                cmd.transports,
+                cmd.incarnation,
+                cmd.lease_ms,
+                expiry,
+            )
             self._add_node(node)
         node.host, node.endpoint, node.transports = cmd.host, cmd.endpoint, cmd.transports
         node.incarnation, node.lease_ms = cmd.incarnation, cmd.lease_ms
@@ -225,8 +252,9 @@ class Table:
         if cmd.tier not in _TIERS:
             return Rejected(Reject.BAD_TIER, f"tier {cmd.tier} is not a holder tier")
         n = len(cmd.hashes)
-        if not (len(cmd.addresses) == len(cmd.lengths) == len(cmd.rkeys)
-                == len(cmd.generations) == n):
+        if not (
+            len(cmd.addresses) == len(cmd.lengths) == len(cmd.rkeys) == len(cmd.generations) == n
+        ):
             return Rejected(Reject.BAD_BATCH, "publish columns differ in length")
         ns = self._ns(cmd.namespace)
         blocks = self.blocks[ns]
@@ -247,7 +275,11 @@ class Table:
                     stale += 1
                     continue
                 c.addr[s], c.length[s], c.rkey[s], cgen[s] = (
-                    cmd.addresses[i], cmd.lengths[i], cmd.rkeys[i], gen)
+                    cmd.addresses[i],
+                    cmd.lengths[i],
+                    cmd.rkeys[i],
+                    gen,
+                )
                 applied += 1
                 continue
             if count >= HOLDERS_PER_BLOCK_MAX:
@@ -255,7 +287,12 @@ class Table:
                 head = blocks.get(h, NIL)
             s = self._alloc(ns, h, nidx, node)
             c.addr[s], c.length[s], c.rkey[s], cgen[s], ctier[s] = (
-                cmd.addresses[i], cmd.lengths[i], cmd.rkeys[i], gen, tier)
+                cmd.addresses[i],
+                cmd.lengths[i],
+                cmd.rkeys[i],
+                gen,
+                tier,
+            )
             cnext[s] = head
             blocks[h] = s
             applied += 1
@@ -400,21 +437,26 @@ class Table:
 
     # ----------------------------------------------------------------- reads
 
-    def expired_nodes(self, now_ms: int, limit: int,
-                      grace_from_ms: int = 0) -> list[tuple[str, int]]:
+    def expired_nodes(
+        self, now_ms: int, limit: int, grace_from_ms: int = 0
+    ) -> list[tuple[str, int]]:
         """Nodes whose lease ended by `now_ms` (for the leader to propose).
 
         A lease counts as renewed at `grace_from_ms` (when the proposing
         leader took over), so a new leader never expires a node sooner than a
         full lease after it started watching.
         """
-        out = [(n.node_id, n.incarnation) for n in self.nodes.values()
-               if max(n.lease_expiry_ms, grace_from_ms + n.lease_ms) <= now_ms]
+        out = [
+            (n.node_id, n.incarnation)
+            for n in self.nodes.values()
+            if max(n.lease_expiry_ms, grace_from_ms + n.lease_ms) <= now_ms
+        ]
         out.sort()
         return out[:limit]
 
-    def lookup(self, namespace: str, chain: list[bytes], max_nodes: int,
-               exclude_node: str = "") -> list[Match]:
+    def lookup(
+        self, namespace: str, chain: list[bytes], max_nodes: int, exclude_node: str = ""
+    ) -> list[Match]:
         """Each holder node's longest contiguous prefix of `chain` from block 0.
 
         Best first: longer prefix, then node id (deterministic). A node holding

@@ -46,14 +46,17 @@ def namespace_key(ns: pb.Namespace) -> str:
     for name in ("model", "dtype", "layout"):
         value = getattr(ns, name)
         if len(value.encode()) > NAMESPACE_FIELD_BYTES_MAX:
-            raise BadRequest("bad-namespace",
-                             f"namespace.{name} is longer than {NAMESPACE_FIELD_BYTES_MAX} bytes")
+            raise BadRequest(
+                "bad-namespace",
+                f"namespace.{name} is longer than {NAMESPACE_FIELD_BYTES_MAX} bytes",
+            )
         if "\x1f" in value:
             raise BadRequest("bad-namespace", f"namespace.{name} contains a control character")
     if ns.tp_size and ns.tp_rank >= ns.tp_size:
         raise BadRequest("bad-namespace", "namespace.tp_rank must be < tp_size")
-    return "\x1f".join((ns.model, ns.dtype, str(ns.block_tokens), ns.layout,
-                        f"{ns.tp_rank}/{ns.tp_size}"))
+    return "\x1f".join(
+        (ns.model, ns.dtype, str(ns.block_tokens), ns.layout, f"{ns.tp_rank}/{ns.tp_size}")
+    )
 
 
 def node_id(value: str) -> str:
@@ -64,8 +67,9 @@ def node_id(value: str) -> str:
     return value
 
 
-def hashes(block_hashes: Sequence[bytes], block_ids: Sequence[int], limit: int,
-           what: str) -> list[bytes]:
+def hashes(
+    block_hashes: Sequence[bytes], block_ids: Sequence[int], limit: int, what: str
+) -> list[bytes]:
     """The block hashes of a request, u64 ids normalised to 8 bytes big-endian."""
     if block_hashes and block_ids:
         raise BadRequest("bad-hashes", f"{what}: give block_hashes or block_ids, not both")
@@ -77,10 +81,11 @@ def hashes(block_hashes: Sequence[bytes], block_ids: Sequence[int], limit: int,
         return [packed[i : i + 8] for i in range(0, 8 * n, 8)]
     out = list(block_hashes)
     widths = set(map(len, out))  # one C-level pass; usually a single width
-    if widths and not (0 < min(widths) and max(widths) <= HASH_BYTES_MAX):
+    if widths and not (min(widths) > 0 and max(widths) <= HASH_BYTES_MAX):
         bad = min(widths) if min(widths) == 0 else max(widths)
-        raise BadRequest("bad-hashes",
-                         f"{what}: a block hash has {bad} bytes (1..{HASH_BYTES_MAX})")
+        raise BadRequest(
+            "bad-hashes", f"{what}: a block hash has {bad} bytes (1..{HASH_BYTES_MAX})"
+        )
     return out
 
 
@@ -106,7 +111,11 @@ def publish(req: pb.PublishRequest, limits: RequestLimits) -> Publish:
     if n == 0:
         raise BadRequest("bad-batch", "publish has no blocks")
     return Publish(
-        node_id(req.node_id), req.incarnation, ns, tier(req.tier), hs,
+        node_id(req.node_id),
+        req.incarnation,
+        ns,
+        tier(req.tier),
+        hs,
         _column(req.addresses, n, "addresses", _U64_MAX),
         _column(req.lengths, n, "lengths", _U32_MAX),
         _column(req.rkeys, n, "rkeys", _U32_MAX),
@@ -133,8 +142,9 @@ def lookup_chain(req: pb.LookupRequest, limits: RequestLimits) -> tuple[str, lis
         raise BadRequest("bad-chain", "lookup chain is empty")
     max_nodes = req.max_nodes or limits.lookup_nodes_default
     if max_nodes > limits.lookup_nodes_max:
-        raise BadRequest("bad-max-nodes",
-                         f"max_nodes {max_nodes} is over the limit of {limits.lookup_nodes_max}")
+        raise BadRequest(
+            "bad-max-nodes", f"max_nodes {max_nodes} is over the limit of {limits.lookup_nodes_max}"
+        )
     return ns, chain, max_nodes
 
 
@@ -148,9 +158,10 @@ def registration(req: pb.RegisterNodeRequest, lease_default_ms: int) -> tuple[st
     if len(req.transports) > TRANSPORTS_MAX or any(
         not t or len(t.encode()) > TRANSPORT_NAME_BYTES_MAX for t in req.transports
     ):
-        raise BadRequest("bad-transports",
-                         f"at most {TRANSPORTS_MAX} transports of 1..{TRANSPORT_NAME_BYTES_MAX} "
-                         "bytes each")
+        raise BadRequest(
+            "bad-transports",
+            f"at most {TRANSPORTS_MAX} transports of 1..{TRANSPORT_NAME_BYTES_MAX} bytes each",
+        )
     if req.incarnation == 0:
         raise BadRequest("bad-incarnation", "incarnation must be > 0")
     lease_ms = req.lease_ms or lease_default_ms

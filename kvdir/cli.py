@@ -36,9 +36,13 @@ class CliError(Exception):
 
 def _serve_config(args: argparse.Namespace) -> DirectoryConfig:
     overrides: dict[str, Any] = {
-        "replica_id": args.replica_id, "raft_address": args.raft, "grpc_address": args.grpc,
-        "metrics_address": args.metrics, "data_dir": args.data_dir,
-        "log_format": args.log_format, "enable_echo": True if args.enable_echo else None,
+        "replica_id": args.replica_id,
+        "raft_address": args.raft,
+        "grpc_address": args.grpc,
+        "metrics_address": args.metrics,
+        "data_dir": args.data_dir,
+        "log_format": args.log_format,
+        "enable_echo": True if args.enable_echo else None,
     }
     peers = [parse_peer(p) for p in args.peer]
     tune = _tuning(args.tune)
@@ -50,8 +54,10 @@ def _serve_config(args: argparse.Namespace) -> DirectoryConfig:
             raise ConfigError("give peers in the config file or as --peer flags, not both")
         return cfg
     raw = {k: v for k, v in overrides.items() if v is not None}
-    raw["peers"] = [{"replica_id": p.replica_id, "raft_address": p.raft_address,
-                     "grpc_address": p.grpc_address} for p in peers]
+    raw["peers"] = [
+        {"replica_id": p.replica_id, "raft_address": p.raft_address, "grpc_address": p.grpc_address}
+        for p in peers
+    ]
     if tune:
         raw["raft"] = tune
     return from_dict(raw)
@@ -64,8 +70,9 @@ def _tuning(specs: list[str]) -> dict[str, Any]:
     for spec in specs:
         key, sep, value = spec.partition("=")
         if not sep or key not in fields:
-            raise ConfigError(f"--tune {spec!r}: expected one of {', '.join(sorted(fields))}"
-                              " as KEY=VALUE")
+            raise ConfigError(
+                f"--tune {spec!r}: expected one of {', '.join(sorted(fields))} as KEY=VALUE"
+            )
         kind = int if fields[key].type in ("int", int) else float
         try:
             out[key] = kind(value)
@@ -104,28 +111,57 @@ def _client(args: argparse.Namespace) -> DirectoryClient:
 def _print(args: argparse.Namespace, obj: Any, text: Callable[[], str]) -> None:
     if args.json:
         from google.protobuf.json_format import MessageToDict
+
         print(json.dumps(MessageToDict(obj, preserving_proto_field_name=True), indent=2))
     else:
         print(text())
 
 
-_ROLES = {pb.ROLE_LEADER: "leader", pb.ROLE_FOLLOWER: "follower",
-          pb.ROLE_CANDIDATE: "candidate", pb.ROLE_UNSPECIFIED: "?"}
+_ROLES = {
+    pb.ROLE_LEADER: "leader",
+    pb.ROLE_FOLLOWER: "follower",
+    pb.ROLE_CANDIDATE: "candidate",
+    pb.ROLE_UNSPECIFIED: "?",
+}
 
 
 def format_status(statuses: Sequence[tuple[str, pb.ClusterStatusResponse | None, str]]) -> str:
-    rows = [("ADDRESS", "REPLICA", "ROLE", "TERM", "COMMIT", "APPLIED", "ENTRIES", "BLOCKS",
-             "NODES", "LEADER")]
+    rows = [
+        (
+            "ADDRESS",
+            "REPLICA",
+            "ROLE",
+            "TERM",
+            "COMMIT",
+            "APPLIED",
+            "ENTRIES",
+            "BLOCKS",
+            "NODES",
+            "LEADER",
+        )
+    ]
     for addr, s, err in statuses:
         if s is None:
             rows.append((addr, "-", f"unreachable: {err}", "", "", "", "", "", "", ""))
             continue
-        rows.append((addr, s.replica_id, _ROLES[s.role], str(s.term), str(s.commit_index),
-                     str(s.applied_index), str(s.entries), str(s.blocks), str(s.nodes),
-                     s.leader_id or "-"))
+        rows.append(
+            (
+                addr,
+                s.replica_id,
+                _ROLES[s.role],
+                str(s.term),
+                str(s.commit_index),
+                str(s.applied_index),
+                str(s.entries),
+                str(s.blocks),
+                str(s.nodes),
+                s.leader_id or "-",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
-                     for r in rows)
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -140,8 +176,16 @@ def cmd_status(args: argparse.Namespace) -> int:
         raise CliError(f"no directory replica answered at {args.addr}")
     if args.json:
         from google.protobuf.json_format import MessageToDict
-        print(json.dumps({a: (MessageToDict(s, preserving_proto_field_name=True) if s else
-                              {"error": e}) for a, s, e in out}, indent=2))
+
+        print(
+            json.dumps(
+                {
+                    a: (MessageToDict(s, preserving_proto_field_name=True) if s else {"error": e})
+                    for a, s, e in out
+                },
+                indent=2,
+            )
+        )
     else:
         print(format_status(out))
     return 0
@@ -154,8 +198,10 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     def text() -> str:
         lines = [f"{'NODE':24} {'HOST':16} {'INCARNATION':>20} {'ENTRIES':>9}  TRANSPORTS"]
         for n in resp.nodes:
-            lines.append(f"{n.node_id:24} {n.host:16} {n.incarnation:>20} {n.entries:>9}  "
-                         f"{','.join(n.transports)}")
+            lines.append(
+                f"{n.node_id:24} {n.host:16} {n.incarnation:>20} {n.entries:>9}  "
+                f"{','.join(n.transports)}"
+            )
         return "\n".join(lines)
 
     _print(args, resp, text)
@@ -174,21 +220,31 @@ def _chain(args: argparse.Namespace) -> list[bytes]:
 
 
 def cmd_lookup(args: argparse.Namespace) -> int:
-    ns = namespace(args.model, args.block_tokens, args.dtype, args.layout, args.tp_rank,
-                   args.tp_size)
+    ns = namespace(
+        args.model, args.block_tokens, args.dtype, args.layout, args.tp_rank, args.tp_size
+    )
     with _client(args) as c:
-        resp = c.lookup(ns, _chain(args), max_nodes=args.max_nodes, exclude_node=args.exclude,
-                        linearizable=args.linearizable)
+        resp = c.lookup(
+            ns,
+            _chain(args),
+            max_nodes=args.max_nodes,
+            exclude_node=args.exclude,
+            linearizable=args.linearizable,
+        )
 
     def text() -> str:
         r = resp.read
-        lines = [f"read from {r.replica_id} ({_ROLES[r.role]}) at applied index "
-                 f"{r.applied_index}{', linearizable' if r.linearizable else ''}"]
+        lines = [
+            f"read from {r.replica_id} ({_ROLES[r.role]}) at applied index "
+            f"{r.applied_index}{', linearizable' if r.linearizable else ''}"
+        ]
         if not resp.matches:
             lines.append("no node holds a prefix of this chain")
         for m in resp.matches:
-            lines.append(f"{m.node_id}: {m.prefix_blocks} blocks via {m.agent_endpoint or '-'} "
-                         f"({','.join(m.transports) or 'index only'})")
+            lines.append(
+                f"{m.node_id}: {m.prefix_blocks} blocks via {m.agent_endpoint or '-'} "
+                f"({','.join(m.transports) or 'index only'})"
+            )
         return "\n".join(lines)
 
     _print(args, resp, text)
@@ -203,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("directory", help="the directory service").add_subparsers(
-        dest="directory_command", required=True)
+        dest="directory_command", required=True
+    )
     s = d.add_parser("serve", help="run one directory replica")
     s.add_argument("--config", help="TOML config file (flags override it)")
     s.add_argument("--replica-id")
@@ -211,24 +268,40 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--grpc", help="gRPC HOST:PORT to serve on")
     s.add_argument("--metrics", help="Prometheus HOST:PORT (empty: off)")
     s.add_argument("--data-dir", help="journal and snapshot directory")
-    s.add_argument("--peer", action="append", default=[],
-                   help="ID=RAFT_HOST:PORT,GRPC_HOST:PORT (repeat per peer)")
-    s.add_argument("--tune", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a Raft tuning field (directory.raft.RaftTuning)")
-    s.add_argument("--enable-echo", action="store_true",
-                   help="also serve the Echo baseline used by `kvdir bench directory`")
+    s.add_argument(
+        "--peer",
+        action="append",
+        default=[],
+        help="ID=RAFT_HOST:PORT,GRPC_HOST:PORT (repeat per peer)",
+    )
+    s.add_argument(
+        "--tune",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a Raft tuning field (directory.raft.RaftTuning)",
+    )
+    s.add_argument(
+        "--enable-echo",
+        action="store_true",
+        help="also serve the Echo baseline used by `kvdir bench directory`",
+    )
     s.add_argument("--log-format", choices=["json", "text"])
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(func=cmd_serve)
 
     ctl = sub.add_parser("ctl", help="inspect a running directory").add_subparsers(
-        dest="ctl_command", required=True)
-    for name, func, helptext in (("status", cmd_status, "each replica's Raft and table state"),
-                                 ("nodes", cmd_nodes, "registered holder nodes"),
-                                 ("lookup", cmd_lookup, "who holds a prefix of a chain")):
+        dest="ctl_command", required=True
+    )
+    for name, func, helptext in (
+        ("status", cmd_status, "each replica's Raft and table state"),
+        ("nodes", cmd_nodes, "registered holder nodes"),
+        ("lookup", cmd_lookup, "who holds a prefix of a chain"),
+    ):
         c = ctl.add_parser(name, help=helptext)
-        c.add_argument("--addr", default=DEFAULT_ADDRS,
-                       help="comma-separated replica gRPC addresses")
+        c.add_argument(
+            "--addr", default=DEFAULT_ADDRS, help="comma-separated replica gRPC addresses"
+        )
         c.add_argument("--timeout", type=float, default=5.0)
         c.add_argument("--json", action="store_true")
         c.set_defaults(func=func)
@@ -246,8 +319,10 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--linearizable", action="store_true")
 
     from kvdir import demo
+
     demo.add_parser(sub)
     from kvdir.bench import add_parsers
+
     add_parsers(sub)
     return p
 

@@ -45,13 +45,22 @@ def check(cond: bool, what: str) -> None:
         raise DemoFailed(what)
 
 
-def _publish_chain(c: DirectoryClient, node: str, inc: int, ns: pb.Namespace,
-                   chain: list[bytes], base_addr: int) -> None:
+def _publish_chain(
+    c: DirectoryClient, node: str, inc: int, ns: pb.Namespace, chain: list[bytes], base_addr: int
+) -> None:
     for i in range(0, len(chain), 256):
         part = chain[i : i + 256]
-        c.publish(node, inc, ns, pb.TIER_GPU, part,
-                  [base_addr + (i + k) * 65536 for k in range(len(part))],
-                  [65536] * len(part), [0x1234] * len(part), [1] * len(part))
+        c.publish(
+            node,
+            inc,
+            ns,
+            pb.TIER_GPU,
+            part,
+            [base_addr + (i + k) * 65536 for k in range(len(part))],
+            [65536] * len(part),
+            [0x1234] * len(part),
+            [1] * len(part),
+        )
 
 
 def workload(cluster: LocalCluster, seed: int) -> None:
@@ -67,8 +76,14 @@ def workload(cluster: LocalCluster, seed: int) -> None:
     with DirectoryClient([follower.grpc_address], timeout_s=10) as c:
         inc = time.time_ns()
         for node in ("node-a", "node-b"):
-            c.register_node(node, "127.0.0.1", inc, f"127.0.0.1:{9000 + len(node)}",
-                            ["tcp", "shm"], lease_ms=30_000)
+            c.register_node(
+                node,
+                "127.0.0.1",
+                inc,
+                f"127.0.0.1:{9000 + len(node)}",
+                ["tcp", "shm"],
+                lease_ms=30_000,
+            )
         t0 = time.perf_counter()
         _publish_chain(c, "node-a", inc, ns, chain_a, 0x7F00_0000_0000)
         _publish_chain(c, "node-b", inc, ns, chain_b, 0x7E00_0000_0000)
@@ -89,8 +104,10 @@ def workload(cluster: LocalCluster, seed: int) -> None:
         check([m.node_id for m in resp.matches] == ["node-b"], "exclude_node did not apply")
         m = resp.matches[0]
         rec = records(m)
-        print(f"    excluding node-a: node-b holds {m.prefix_blocks} blocks; block 0 at "
-              f"{rec.addresses[0]:#x} rkey {rec.rkeys[0]:#x} gen {rec.generations[0]}")
+        print(
+            f"    excluding node-a: node-b holds {m.prefix_blocks} blocks; block 0 at "
+            f"{rec.addresses[0]:#x} rkey {rec.rkeys[0]:#x} gen {rec.generations[0]}"
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,12 +117,24 @@ def run(args: argparse.Namespace) -> int:
         with LocalCluster(base, size=args.replicas) as cluster:
             cluster.start()
             for r in cluster.replicas:
-                print(f"    {r.replica_id}: raft {r.raft_address}  grpc {r.grpc_address}  "
-                      f"metrics http://{r.metrics_address}/metrics")
+                print(
+                    f"    {r.replica_id}: raft {r.raft_address}  grpc {r.grpc_address}  "
+                    f"metrics http://{r.metrics_address}/metrics"
+                )
             workload(cluster, args.seed)
             step("kvdir ctl status")
-            subprocess.run([sys.executable, "-m", "kvdir.cli", "ctl", "status", "--addr",
-                            ",".join(cluster.grpc_addresses)], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvdir.cli",
+                    "ctl",
+                    "status",
+                    "--addr",
+                    ",".join(cluster.grpc_addresses),
+                ],
+                check=True,
+            )
             step("stopping the cluster")
     step("demo finished: all checks passed")
     return 0

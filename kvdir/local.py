@@ -42,8 +42,9 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
-def wait_for(cond: Callable[[], bool], timeout_s: float, what: str,
-             interval_s: float = 0.02) -> None:
+def wait_for(
+    cond: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.02
+) -> None:
     """Poll `cond` until true; raise ClusterError naming `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -85,19 +86,39 @@ class LocalCluster:
             rid = f"r{i + 1}"
             d = os.path.join(self.base_dir, rid)
             os.makedirs(d, exist_ok=True)
-            self.replicas.append(Replica(
-                rid, f"{LOOPBACK}:{ports[3 * i]}", f"{LOOPBACK}:{ports[3 * i + 1]}",
-                f"{LOOPBACK}:{ports[3 * i + 2]}", os.path.join(d, "data"),
-                os.path.join(d, "replica.log")))
+            self.replicas.append(
+                Replica(
+                    rid,
+                    f"{LOOPBACK}:{ports[3 * i]}",
+                    f"{LOOPBACK}:{ports[3 * i + 1]}",
+                    f"{LOOPBACK}:{ports[3 * i + 2]}",
+                    os.path.join(d, "data"),
+                    os.path.join(d, "replica.log"),
+                )
+            )
 
     @property
     def grpc_addresses(self) -> list[str]:
         return [r.grpc_address for r in self.replicas]
 
     def command(self, r: Replica) -> list[str]:
-        cmd = [sys.executable, "-m", "kvdir.cli", "directory", "serve",
-               "--replica-id", r.replica_id, "--raft", r.raft_address, "--grpc", r.grpc_address,
-               "--metrics", r.metrics_address, "--data-dir", r.data_dir]
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvdir.cli",
+            "directory",
+            "serve",
+            "--replica-id",
+            r.replica_id,
+            "--raft",
+            r.raft_address,
+            "--grpc",
+            r.grpc_address,
+            "--metrics",
+            r.metrics_address,
+            "--data-dir",
+            r.data_dir,
+        ]
         for p in self.replicas:
             if p is not r:
                 cmd += ["--peer", f"{p.replica_id}={p.raft_address},{p.grpc_address}"]
@@ -107,8 +128,9 @@ class LocalCluster:
 
     def launch(self, r: Replica) -> None:
         with open(r.log_path, "ab") as log:
-            r.proc = subprocess.Popen(self.command(r), stdout=log, stderr=subprocess.STDOUT,
-                                      start_new_session=True)
+            r.proc = subprocess.Popen(
+                self.command(r), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def start(self, timeout_s: float = 30.0) -> None:
         for r in self.replicas:
@@ -145,10 +167,14 @@ class LocalCluster:
 
         def has_leader() -> bool:
             for r in self.replicas:
-                if r.proc is not None and r.proc.poll() is not None and r.proc.returncode not in (
-                        0, -signal.SIGKILL, -signal.SIGTERM):
-                    raise ClusterError(f"replica {r.replica_id} exited with "
-                                       f"{r.proc.returncode}; see {r.log_path}")
+                if (
+                    r.proc is not None
+                    and r.proc.poll() is not None
+                    and r.proc.returncode not in (0, -signal.SIGKILL, -signal.SIGTERM)
+                ):
+                    raise ClusterError(
+                        f"replica {r.replica_id} exited with {r.proc.returncode}; see {r.log_path}"
+                    )
             leader = self.leader()
             if leader is not None:
                 found.append(leader)

@@ -14,13 +14,16 @@ _UNIT_TIERS = ("tests/unit", "tests/sim")
 
 
 @pytest.fixture(autouse=True)
-def _no_network_in_unit_tiers(request: pytest.FixtureRequest,
-                              monkeypatch: pytest.MonkeyPatch) -> None:
+def _no_network_in_unit_tiers(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Unit and simulation tests stay pure: opening a socket there is a bug."""
     path = str(request.node.path)
     if any(t in path for t in _UNIT_TIERS):
+
         def refuse(*_a: object, **_k: object) -> None:
             raise RuntimeError("unit/sim tests must not open sockets")
+
         monkeypatch.setattr(socket.socket, "connect", refuse)
         monkeypatch.setattr(socket.socket, "bind", refuse)
 

@@ -79,11 +79,15 @@ def coalesce(reads: Sequence[Read], limit: int = SEGMENT_BYTES_MAX) -> list[Read
     for r in sorted(reads, key=lambda r: (r.rkey, r.remote_address)):
         if out:
             last = out[-1]
-            if (last.rkey == r.rkey and last.remote_address + last.length == r.remote_address
-                    and last.dst_offset + last.length == r.dst_offset
-                    and last.length + r.length <= limit):
-                out[-1] = Read(last.remote_address, last.rkey, last.length + r.length,
-                               last.dst_offset)
+            if (
+                last.rkey == r.rkey
+                and last.remote_address + last.length == r.remote_address
+                and last.dst_offset + last.length == r.dst_offset
+                and last.length + r.length <= limit
+            ):
+                out[-1] = Read(
+                    last.remote_address, last.rkey, last.length + r.length, last.dst_offset
+                )
                 continue
         out.append(r)
     return out
@@ -93,8 +97,10 @@ def check_destination(reads: Sequence[Read], dst_len: int) -> None:
     """Every read must land inside dst (a programming error otherwise)."""
     for r in reads:
         if r.length <= 0 or r.dst_offset < 0 or r.dst_offset + r.length > dst_len:
-            raise ValueError(f"read of {r.length} bytes at dst offset {r.dst_offset} does not "
-                             f"fit a {dst_len}-byte destination")
+            raise ValueError(
+                f"read of {r.length} bytes at dst offset {r.dst_offset} does not "
+                f"fit a {dst_len}-byte destination"
+            )
 
 
 class Channel(ABC):

@@ -60,13 +60,23 @@ class SharedMemory:
 
     @classmethod
     def open_readonly(cls, path: str) -> SharedMemory:
-        fd = os.open(path, os.O_RDONLY)
+        return cls._open(path, writable=False, owner=False)
+
+    @classmethod
+    def open_readwrite(cls, path: str, owner: bool = True) -> SharedMemory:
+        """Map an existing file read-write (an agent re-attaching, or the engine)."""
+        return cls._open(path, writable=True, owner=owner)
+
+    @classmethod
+    def _open(cls, path: str, writable: bool, owner: bool) -> SharedMemory:
+        fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+            mm = mmap.mmap(fd, size, mmap.MAP_SHARED, prot)
         finally:
             os.close(fd)
-        return cls(path, size, mm, owner=False)
+        return cls(path, size, mm, owner=owner)
 
     def view(self) -> memoryview:
         return memoryview(self.mm)
@@ -123,7 +133,9 @@ class Registry:
             raise AccessDenied(f"rkey {rkey:#x} was never granted")
         region, mv = entry
         if length <= 0 or not region.contains(address, length):
-            raise AccessDenied(f"{length} bytes at {address:#x} fall outside the region "
-                               f"{region.address:#x}+{region.length} of rkey {rkey:#x}")
+            raise AccessDenied(
+                f"{length} bytes at {address:#x} fall outside the region "
+                f"{region.address:#x}+{region.length} of rkey {rkey:#x}"
+            )
         off = address - region.address
         return mv[off : off + length]

@@ -52,8 +52,7 @@ class ShmChannel(Channel):
         if str(st.st_ino) != descriptor["inode"]:
             raise PeerUnavailable(f"shm pool {self.path} was recreated (agent restart)")
         self.mem = SharedMemory.open_readonly(self.path)
-        self.region = Region(self.base, min(int(descriptor["length"]), self.mem.size),
-                             self.rkey)
+        self.region = Region(self.base, min(int(descriptor["length"]), self.mem.size), self.rkey)
         self._src = self.mem.view()
         self._lock = threading.Lock()
 
@@ -64,8 +63,9 @@ class ShmChannel(Channel):
             if r.rkey != self.rkey:
                 raise AccessDenied(f"rkey {r.rkey:#x} is not this pool's")
             if not self.region.contains(r.remote_address, r.length):
-                raise AccessDenied(f"{r.length} bytes at {r.remote_address:#x} fall outside "
-                                   "the pool")
+                raise AccessDenied(
+                    f"{r.length} bytes at {r.remote_address:#x} fall outside the pool"
+                )
         moved = 0
         with self._lock:
             src = self._src
@@ -100,10 +100,15 @@ class ShmTransport(Transport):
     def descriptor(self) -> dict[str, str]:
         if self._region is None:
             raise RuntimeError("register the pool before describing it")
-        return {"transport": self.name, "path": self.memory.path,
-                "inode": str(os.stat(self.memory.path).st_ino),
-                "address": str(self._region.address), "length": str(self._region.length),
-                "rkey": str(self._region.rkey), "host_id": host_identity()}
+        return {
+            "transport": self.name,
+            "path": self.memory.path,
+            "inode": str(os.stat(self.memory.path).st_ino),
+            "address": str(self._region.address),
+            "length": str(self._region.length),
+            "rkey": str(self._region.rkey),
+            "host_id": host_identity(),
+        }
 
     def connect(self, descriptor: dict[str, str]) -> Channel:
         return ShmChannel(descriptor)

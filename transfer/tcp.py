@@ -95,8 +95,9 @@ class TcpServer:
         self._lock = threading.Lock()
         self.bytes_served = 0
         self.denied = 0
-        self._thread = threading.Thread(target=self._accept_loop, name="kvdir-tcp-accept",
-                                         daemon=True)
+        self._thread = threading.Thread(
+            target=self._accept_loop, name="kvdir-tcp-accept", daemon=True
+        )
         self._thread.start()
 
     def _accept_loop(self) -> None:
@@ -111,8 +112,9 @@ class TcpServer:
             _tune(conn)
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kvdir-tcp-conn",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._serve, args=(conn,), name="kvdir-tcp-conn", daemon=True
+            ).start()
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -132,10 +134,19 @@ class TcpServer:
 
     def _answer(self, conn: socket.socket, head: bytes) -> None:
         magic, version, op, _, count, req_id = _HEAD.unpack(head)
-        if magic != MAGIC or version != VERSION or op != OP_READ or count > (
-                SEGMENTS_PER_REQUEST_MAX):
-            self._refuse(conn, STATUS_BAD_REQUEST, count, req_id,
-                         "not a kvdir tcp read request of this version")
+        if (
+            magic != MAGIC
+            or version != VERSION
+            or op != OP_READ
+            or count > (SEGMENTS_PER_REQUEST_MAX)
+        ):
+            self._refuse(
+                conn,
+                STATUS_BAD_REQUEST,
+                count,
+                req_id,
+                "not a kvdir tcp read request of this version",
+            )
             raise TransferError("protocol error")  # the stream is out of sync: hang up
         segs = _recv_exact(conn, _SEG.size * count)
         views = []
@@ -154,8 +165,9 @@ class TcpServer:
     @staticmethod
     def _refuse(conn: socket.socket, status: int, count: int, req_id: int, why: str) -> None:
         msg = why.encode()[:4096]
-        conn.sendall(_HEAD.pack(MAGIC, VERSION, status, 0, count, req_id) + _U32.pack(len(msg))
-                     + msg)
+        conn.sendall(
+            _HEAD.pack(MAGIC, VERSION, status, 0, count, req_id) + _U32.pack(len(msg)) + msg
+        )
 
     def close(self) -> None:
         self._stop.set()
@@ -226,8 +238,7 @@ class TcpChannel(Channel):
             raise TransferError("read deadline passed")
         sock.settimeout(left)
 
-    def _receive(self, sock: socket.socket, rid: int, batch: list[Read],
-                 dst: memoryview) -> int:
+    def _receive(self, sock: socket.socket, rid: int, batch: list[Read], dst: memoryview) -> int:
         magic, version, status, _, count, got_id = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
         if magic != MAGIC or version != VERSION or got_id != rid or count != len(batch):
             raise TransferError("tcp response out of sync")
@@ -283,8 +294,9 @@ def _split(reads: list[Read]) -> list[list[Read]]:
 class TcpTransport(Transport):
     name = "tcp"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0,
-                 registry: Registry | None = None) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, registry: Registry | None = None
+    ) -> None:
         self.registry = registry or Registry()
         self.server = TcpServer(self.registry, host, port)
 

@@ -1,0 +1,257 @@
+"""The node's KV pool: one shared, registered region of fixed-size block slots.
+
+Layout of the pool file (all little-endian)::
+
+    page 0        superblock: magic, version, slot_bytes, slots, offsets, namespace
+    headers       `slots` x 64-byte slot headers
+    data          `slots` x `slot_bytes`, page-aligned
+
+Slot header: u64 generation, u8 state (FREE / ALLOCATED / STORED), u8 hash
+length, 6 pad bytes, 32-byte block hash, 16 reserved bytes.
+
+The header is the truth about a slot, and it is what makes one-sided reads
+safe. Whoever owns a slot bumps its generation *before* the slot's bytes are
+rewritten (the agent on allocate and free, the engine library on eviction),
+and the directory publishes the generation a block was stored under. A reader
+copies the data, *then* reads the header: if the generation or hash differ,
+the slot was reused under it and the block is a miss (seqlock style), so a
+reader never hands the engine another request's KV.
+
+The file persists across agent restarts (the engine keeps its KV mapped): a
+restarted agent re-attaches, scans the headers and re-publishes what is
+stored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from transfer.memory import PAGE_BYTES, SharedMemory, buffer_address
+
+MAGIC = b"KVDPOOL\x01"
+HEADER_BYTES = 64
+HASH_BYTES_MAX = 32
+
+FREE = 0
+ALLOCATED = 1
+STORED = 2
+
+_SUPER = struct.Struct("<8sIQIQQI")  # magic, version, slot_bytes, slots, hdr off, data off, ns len
+_HDR = struct.Struct("<QBB6x32s16x")
+_GEN = struct.Struct("<Q")
+assert _HDR.size == HEADER_BYTES
+
+
+class PoolError(ValueError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class SlotHeader:
+    generation: int
+    state: int
+    block_hash: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    slot_bytes: int
+    slots: int
+    header_offset: int
+    data_offset: int
+    size: int
+
+    @classmethod
+    def of(cls, slot_bytes: int, slots: int) -> Geometry:
+        if slot_bytes <= 0 or slots <= 0:
+            raise PoolError("slot_bytes and slots must be > 0")
+        header_offset = PAGE_BYTES
+        data_offset = _round_up(header_offset + slots * HEADER_BYTES, PAGE_BYTES)
+        return cls(slot_bytes, slots, header_offset, data_offset, data_offset + slots * slot_bytes)
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def read_header(buf: memoryview | bytes, offset: int = 0) -> SlotHeader:
+    gen, state, n, h = _HDR.unpack_from(buf, offset)
+    return SlotHeader(gen, state, bytes(h[:n]))
+
+
+class KvPool:
+    """A pool file mapped read-write; slot allocation and header upkeep."""
+
+    def __init__(self, mem: SharedMemory, geometry: Geometry, namespace_key: str) -> None:
+        self.mem = mem
+        self.geometry = geometry
+        self.namespace_key = namespace_key
+        self.view = mem.view()
+        self.base_address = buffer_address(self.view)
+        self._lock = threading.Lock()
+        self._free: list[int] = []
+        self.rebuild_free_list()
+
+    # ---------------------------------------------------------------- open
+
+    @classmethod
+    def open(cls, path: str, namespace_key: str, slot_bytes: int, slots: int) -> KvPool:
+        """Attach to `path` if it is a pool of this shape and namespace, else create it."""
+        geo = Geometry.of(slot_bytes, slots)
+        mem = _attach(path, geo, namespace_key)
+        if mem is None:
+            mem = SharedMemory.create(path, geo.size)
+            ns = json.dumps(namespace_key).encode()
+            if _SUPER.size + len(ns) > PAGE_BYTES:
+                mem.close()
+                raise PoolError("namespace key does not fit the pool superblock")
+            _SUPER.pack_into(
+                mem.mm, 0, MAGIC, 1, slot_bytes, slots, geo.header_offset, geo.data_offset, len(ns)
+            )
+            mem.mm[_SUPER.size : _SUPER.size + len(ns)] = ns
+        return cls(mem, geo, namespace_key)
+
+    def close(self, unlink: bool = False) -> None:
+        self.view.release()
+        self.mem.close(unlink=unlink)
+
+    # ------------------------------------------------------------ addressing
+
+    @property
+    def header_address(self) -> int:
+        return self.base_address + self.geometry.header_offset
+
+    @property
+    def data_address(self) -> int:
+        return self.base_address + self.geometry.data_offset
+
+    def data_offset(self, slot: int) -> int:
+        return self.geometry.data_offset + slot * self.geometry.slot_bytes
+
+    def header_offset(self, slot: int) -> int:
+        return self.geometry.header_offset + slot * HEADER_BYTES
+
+    def slot_address(self, slot: int) -> int:
+        return self.base_address + self.data_offset(slot)
+
+    def slot_view(self, slot: int) -> memoryview:
+        off = self.data_offset(slot)
+        return self.view[off : off + self.geometry.slot_bytes]
+
+    def check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.geometry.slots:
+            raise PoolError(f"slot {slot} is outside the pool (0..{self.geometry.slots - 1})")
+
+    # --------------------------------------------------------------- headers
+
+    def header(self, slot: int) -> SlotHeader:
+        self.check_slot(slot)
+        return read_header(self.view, self.header_offset(slot))
+
+    def _write_header(self, slot: int, gen: int, state: int, block_hash: bytes) -> None:
+        off = self.header_offset(slot)
+        if state == STORED:
+            # Hash first, generation last: a reader that sees the new generation
+            # sees the hash written with it.
+            _HDR.pack_into(
+                self.view, off, self.header(slot).generation, ALLOCATED, len(block_hash), block_hash
+            )
+        _HDR.pack_into(self.view, off, gen, state, len(block_hash), block_hash)
+
+    def _bump(self, slot: int, state: int) -> int:
+        gen = self.header(slot).generation + 1
+        # Generation first: from here on, readers of the old contents fail validation.
+        _GEN.pack_into(self.view, self.header_offset(slot), gen)
+        self._write_header(slot, gen, state, b"")
+        return gen
+
+    # ------------------------------------------------------------ allocation
+
+    def rebuild_free_list(self) -> None:
+        with self._lock:
+            self._free = [
+                s for s in range(self.geometry.slots - 1, -1, -1) if self.header(s).state == FREE
+            ]
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[tuple[int, int]]:
+        """`count` slots with their new generations (all or nothing)."""
+        with self._lock:
+            if count > len(self._free):
+                raise PoolError(f"asked for {count} slots, {len(self._free)} free")
+            slots = [self._free.pop() for _ in range(count)]
+            return [(s, self._bump(s, ALLOCATED)) for s in slots]
+
+    def free(self, slots: list[int]) -> list[tuple[int, SlotHeader]]:
+        """Release slots; returns (slot, header before) of those that were in use."""
+        for s in slots:
+            self.check_slot(s)
+        out = []
+        with self._lock:
+            for s in slots:
+                before = self.header(s)
+                if before.state == FREE:
+                    continue
+                self._bump(s, FREE)
+                self._free.append(s)
+                out.append((s, before))
+        return out
+
+    def mark_stored(self, slot: int, block_hash: bytes, generation: int) -> bool:
+        """Record that `slot` holds `block_hash` under `generation` (false if stale)."""
+        self.check_slot(slot)
+        if not 0 < len(block_hash) <= HASH_BYTES_MAX:
+            raise PoolError(f"block hash of {len(block_hash)} bytes")
+        h = self.header(slot)
+        if h.state == FREE or h.generation != generation:
+            return False
+        self._write_header(slot, generation, STORED, block_hash)
+        return True
+
+    def evict(self, slot: int) -> int:
+        """The slot no longer holds its block (it stays allocated); returns the new gen."""
+        self.check_slot(slot)
+        return self._bump(slot, ALLOCATED)
+
+    def stored(self) -> Iterator[tuple[int, SlotHeader]]:
+        """Every slot in STORED state (the node's holdings, for a full re-publish)."""
+        for s in range(self.geometry.slots):
+            h = read_header(self.view, self.header_offset(s))
+            if h.state == STORED:
+                yield s, h
+
+
+def _attach(path: str, geo: Geometry, namespace_key: str) -> SharedMemory | None:
+    """Map an existing pool of the same shape and namespace, or None."""
+    try:
+        if os.path.getsize(path) != geo.size:
+            return None
+    except OSError:
+        return None
+    mem = SharedMemory.open_readwrite(path)
+    magic, version, slot_bytes, slots, hoff, doff, nlen = _SUPER.unpack_from(mem.mm, 0)
+    ns = bytes(mem.mm[_SUPER.size : _SUPER.size + nlen])
+    same = (
+        magic == MAGIC
+        and version == 1
+        and slot_bytes == geo.slot_bytes
+        and slots == geo.slots
+        and hoff == geo.header_offset
+        and doff == geo.data_offset
+    )
+    try:
+        same = same and json.loads(ns) == namespace_key
+    except ValueError:
+        same = False
+    if not same:
+        mem.close(unlink=False)
+        return None
+    return mem
