@@ -79,7 +79,7 @@ def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-def read_header(buf: memoryview | bytes, offset: int = 0) -> SlotHeader:
+def read_header(buf: memoryview | bytes | bytearray, offset: int = 0) -> SlotHeader:
     gen, state, n, h = _HDR.unpack_from(buf, offset)
     return SlotHeader(gen, state, bytes(h[:n]))
 

@@ -100,6 +100,58 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------- agent
+
+
+def _pool_spec(spec: str) -> dict[str, Any]:
+    """`--pool model=M,block_tokens=16,slot_bytes=65536,slots=1024[,dtype=..]`."""
+    out: dict[str, Any] = {}
+    for part in spec.split(","):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ConfigError(f"--pool {spec!r}: expected KEY=VALUE pairs")
+        out[key.strip()] = int(value) if value.strip().isdigit() else value.strip()
+    return out
+
+
+def cmd_agent_serve(args: argparse.Namespace) -> int:
+    from agent import config as agent_config
+    from agent.daemon import AgentDaemon, AgentStartError
+    from directory import logs
+
+    overrides: dict[str, Any] = {
+        "node_id": args.node_id,
+        "host": args.host,
+        "directory": args.directory,
+        "listen": args.listen,
+        "engine_socket": args.engine_socket,
+        "metrics_address": args.metrics,
+        "transports": args.transports,
+        "lease_ms": args.lease_ms,
+        "pool_dir": args.pool_dir,
+        "log_format": args.log_format,
+    }
+    if args.pool:
+        overrides["pools"] = [_pool_spec(p) for p in args.pool]
+    if args.config:
+        cfg = agent_config.load(args.config, overrides)
+    else:
+        cfg = agent_config.from_dict({k: v for k, v in overrides.items() if v is not None})
+    logs.setup(cfg.log_format, args.log_level, {"node_id": cfg.node_id})
+    daemon = AgentDaemon(cfg)
+    try:
+        daemon.start()
+    except AgentStartError as e:
+        daemon.stop(deregister=False)
+        raise CliError(str(e)) from e
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    daemon.stop()
+    return 0
+
+
 # ------------------------------------------------------------------- ctl
 
 
@@ -289,6 +341,30 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-format", choices=["json", "text"])
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(func=cmd_serve)
+
+    ag = sub.add_parser("agent", help="the node agent").add_subparsers(
+        dest="agent_command", required=True
+    )
+    a = ag.add_parser("serve", help="run the node agent")
+    a.add_argument("--config", help="TOML config file (flags override it)")
+    a.add_argument("--node-id")
+    a.add_argument("--host", help="the address peers reach this node on")
+    a.add_argument("--directory", help="comma-separated directory gRPC addresses")
+    a.add_argument("--listen", help="HOST:PORT for the peer-facing kvdir.v1.Agent service")
+    a.add_argument("--engine-socket", help="Unix socket for the engine-facing service")
+    a.add_argument("--metrics", help="Prometheus HOST:PORT (empty: off)")
+    a.add_argument("--transports", help="comma-separated backends to offer (tcp,shm)")
+    a.add_argument("--lease-ms", type=int)
+    a.add_argument("--pool-dir", help="where the pool files live (default /dev/shm)")
+    a.add_argument(
+        "--pool",
+        action="append",
+        default=[],
+        help="model=M,block_tokens=N,slot_bytes=B,slots=S[,dtype=..,layout=..]",
+    )
+    a.add_argument("--log-format", choices=["json", "text"])
+    a.add_argument("--log-level", default="INFO")
+    a.set_defaults(func=cmd_agent_serve)
 
     ctl = sub.add_parser("ctl", help="inspect a running directory").add_subparsers(
         dest="ctl_command", required=True

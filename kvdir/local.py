@@ -207,3 +207,95 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class LocalAgent:
+    """One `kvdir agent serve` process on 127.0.0.1 with its own pool file."""
+
+    node_id: str
+    base_dir: str
+    directory: list[str]
+    pool: str
+    """`--pool` spec, e.g. "model=m,block_tokens=16,slot_bytes=65536,slots=256"."""
+    transports: str = "tcp,shm"
+    lease_ms: int = 2000
+    proc: subprocess.Popen[bytes] | None = None
+
+    def __post_init__(self) -> None:
+        d = os.path.join(self.base_dir, self.node_id)
+        os.makedirs(d, exist_ok=True)
+        listen, metrics = free_ports(2)
+        self.listen = f"{LOOPBACK}:{listen}"
+        self.metrics_address = f"{LOOPBACK}:{metrics}"
+        self.engine_socket = os.path.join(d, "agent.sock")
+        self.pool_dir = d
+        self.log_path = os.path.join(d, "agent.log")
+
+    def command(self) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "kvdir.cli",
+            "agent",
+            "serve",
+            "--node-id",
+            self.node_id,
+            "--host",
+            LOOPBACK,
+            "--directory",
+            ",".join(self.directory),
+            "--listen",
+            self.listen,
+            "--engine-socket",
+            self.engine_socket,
+            "--metrics",
+            self.metrics_address,
+            "--transports",
+            self.transports,
+            "--lease-ms",
+            str(self.lease_ms),
+            "--pool-dir",
+            self.pool_dir,
+            "--pool",
+            self.pool,
+        ]
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def launch(self, timeout_s: float = 30.0) -> None:
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.wait_ready(timeout_s)
+
+    def wait_ready(self, timeout_s: float) -> None:
+        import grpc
+
+        from proto.kvdir.v1 import agent_pb2 as apb
+        from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
+
+        def ready() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise ClusterError(
+                    f"agent {self.node_id} exited with {self.proc.returncode}; see {self.log_path}"
+                )
+            with grpc.insecure_channel(f"unix:{self.engine_socket}") as ch:
+                try:
+                    apb_grpc.EngineStub(ch).Attach(apb.AttachRequest(), timeout=0.5)
+                    return True
+                except grpc.RpcError:
+                    return False
+
+        wait_for(ready, timeout_s, f"agent {self.node_id} to serve its engine socket", 0.05)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(timeout=15)
+
+    def stop(self) -> None:
+        self.kill(signal.SIGTERM)

@@ -2,18 +2,22 @@
 
 The same-host analogue of a one-sided read: the reader maps the holder's
 /dev/shm pool file PROT_READ and copies straight into its destination; the
-holder's CPU does nothing. The descriptor names the file, its inode, the
-holder's base address and the region's rkey, and the host's boot id; a reader
-refuses a peer on another host (or another boot), a file that is not the one
-described (an agent restart recreated it), and reads under any other rkey.
+holder's CPU does nothing. The descriptor lists each exposed pool file
+(path, inode, the holder's base address, length, rkey) and the host's boot
+id; a reader refuses a peer on another host (or another boot), a file that is
+not the one described (an agent restart recreated it), and reads under an
+rkey it was not given.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from transfer.base import (
     AccessDenied,
@@ -38,81 +42,114 @@ def host_identity() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
+@dataclass
+class _Mapped:
+    region: Region
+    mem: SharedMemory
+    view: memoryview
+
+
 class ShmChannel(Channel):
+    """Read-only mappings of a same-host peer's pool files, one per region (rkey)."""
+
     def __init__(self, descriptor: dict[str, str]) -> None:
         if descriptor.get("host_id") != host_identity():
             raise PeerUnavailable("shm peer is on another host")
-        self.path = descriptor["path"]
-        self.base = int(descriptor["address"])
-        self.rkey = int(descriptor["rkey"])
-        try:
-            st = os.stat(self.path)
-        except OSError as e:
-            raise PeerUnavailable(f"shm pool {self.path} is gone: {e}") from e
-        if str(st.st_ino) != descriptor["inode"]:
-            raise PeerUnavailable(f"shm pool {self.path} was recreated (agent restart)")
-        self.mem = SharedMemory.open_readonly(self.path)
-        self.region = Region(self.base, min(int(descriptor["length"]), self.mem.size), self.rkey)
-        self._src = self.mem.view()
+        self._maps: dict[int, _Mapped] = {}
         self._lock = threading.Lock()
+        try:
+            for spec in json.loads(descriptor["regions"]):
+                self._maps[int(spec["rkey"])] = self._map(spec)
+        except (KeyError, ValueError, TypeError) as e:
+            self.close()
+            raise PeerUnavailable(f"bad shm descriptor: {e}") from e
+        except PeerUnavailable:
+            self.close()
+            raise
+
+    @staticmethod
+    def _map(spec: dict[str, Any]) -> _Mapped:
+        path = str(spec["path"])
+        try:
+            st = os.stat(path)
+        except OSError as e:
+            raise PeerUnavailable(f"shm pool {path} is gone: {e}") from e
+        if st.st_ino != int(spec["inode"]):
+            raise PeerUnavailable(f"shm pool {path} was recreated (agent restart)")
+        mem = SharedMemory.open_readonly(path)
+        region = Region(int(spec["address"]), min(int(spec["length"]), mem.size), int(spec["rkey"]))
+        return _Mapped(region, mem, mem.view())
 
     def read(self, reads: Sequence[Read], dst: memoryview, timeout_s: float) -> int:
         check_destination(reads, len(dst))
         merged = coalesce(reads)
         for r in merged:
-            if r.rkey != self.rkey:
-                raise AccessDenied(f"rkey {r.rkey:#x} is not this pool's")
-            if not self.region.contains(r.remote_address, r.length):
+            m = self._maps.get(r.rkey)
+            if m is None:
+                raise AccessDenied(f"rkey {r.rkey:#x} was never granted")
+            if not m.region.contains(r.remote_address, r.length):
                 raise AccessDenied(
-                    f"{r.length} bytes at {r.remote_address:#x} fall outside the pool"
+                    f"{r.length} bytes at {r.remote_address:#x} fall outside "
+                    f"the region of rkey {r.rkey:#x}"
                 )
         moved = 0
         with self._lock:
-            src = self._src
             for r in merged:
-                off = r.remote_address - self.base
-                dst[r.dst_offset : r.dst_offset + r.length] = src[off : off + r.length]
+                m = self._maps[r.rkey]
+                off = r.remote_address - m.region.address
+                dst[r.dst_offset : r.dst_offset + r.length] = m.view[off : off + r.length]
                 moved += r.length
         return moved
 
     def close(self) -> None:
         with self._lock:
-            self._src.release()
-            self.mem.close(unlink=False)
+            for m in self._maps.values():
+                m.view.release()
+                m.mem.close(unlink=False)
+            self._maps.clear()
 
 
 class ShmTransport(Transport):
-    """Exposes one pool file; `register` must be given a view of that file's mapping."""
+    """Exposes pool files; `register` takes a view of one of their mappings."""
 
     name = "shm"
 
-    def __init__(self, memory: SharedMemory, registry: Registry | None = None) -> None:
-        self.memory = memory
+    def __init__(self, memories: Sequence[SharedMemory], registry: Registry | None = None) -> None:
+        self.memories = list(memories)
         self.registry = registry or Registry()
-        self._region: Region | None = None
+        self._regions: list[tuple[Region, SharedMemory]] = []
 
     def register(self, memory: memoryview) -> Region:
-        if buffer_address(memory) != buffer_address(self.memory.view()):
-            raise ValueError("the shm transport exposes only its pool file's mapping")
-        self._region = self.registry.register(memory)
-        return self._region
+        address = buffer_address(memory)
+        for mem in self.memories:
+            view = mem.view()
+            try:
+                if buffer_address(view) == address and len(view) == len(memory):
+                    region = self.registry.register(memory)
+                    if all(r != region for r, _ in self._regions):
+                        self._regions.append((region, mem))
+                    return region
+            finally:
+                view.release()
+        raise ValueError("the shm transport exposes only whole pool-file mappings")
 
     def descriptor(self) -> dict[str, str]:
-        if self._region is None:
-            raise RuntimeError("register the pool before describing it")
-        return {
-            "transport": self.name,
-            "path": self.memory.path,
-            "inode": str(os.stat(self.memory.path).st_ino),
-            "address": str(self._region.address),
-            "length": str(self._region.length),
-            "rkey": str(self._region.rkey),
-            "host_id": host_identity(),
-        }
+        regions = [
+            {
+                "path": mem.path,
+                "inode": os.stat(mem.path).st_ino,
+                "address": r.address,
+                "length": r.length,
+                "rkey": r.rkey,
+            }
+            for r, mem in self._regions
+        ]
+        return {"transport": self.name, "regions": json.dumps(regions), "host_id": host_identity()}
 
     def connect(self, descriptor: dict[str, str]) -> Channel:
         return ShmChannel(descriptor)
 
     def close(self) -> None:
-        if self._region is not None:
-            self.registry.deregister(self._region.rkey)
+        for r, _ in self._regions:
+            self.registry.deregister(r.rkey)
+        self._regions.clear()

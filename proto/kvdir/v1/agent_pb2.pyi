@@ -383,6 +383,7 @@ class NotifyRequest(_message.Message):
     REMOVED_HASHES_FIELD_NUMBER: _builtins.int
     REMOVED_SLOTS_FIELD_NUMBER: _builtins.int
     DROPPED_FIELD_NUMBER: _builtins.int
+    REMOVED_GENERATIONS_FIELD_NUMBER: _builtins.int
     dropped: _builtins.int
     """notifications the engine-side queue dropped"""
     @_builtins.property
@@ -397,6 +398,10 @@ class NotifyRequest(_message.Message):
     def removed_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
     @_builtins.property
     def removed_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def removed_generations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """generation each block was stored under"""
+
     def __init__(
         self,
         *,
@@ -407,10 +412,11 @@ class NotifyRequest(_message.Message):
         removed_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         removed_slots: _abc.Iterable[_builtins.int] | None = ...,
         dropped: _builtins.int = ...,
+        removed_generations: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "namespace", b"namespace", "removed_hashes", b"removed_hashes", "removed_slots", b"removed_slots", "stored_generations", b"stored_generations", "stored_hashes", b"stored_hashes", "stored_slots", b"stored_slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "namespace", b"namespace", "removed_generations", b"removed_generations", "removed_hashes", b"removed_hashes", "removed_slots", b"removed_slots", "stored_generations", b"stored_generations", "stored_hashes", b"stored_hashes", "stored_slots", b"stored_slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,179 @@
+"""Assemble and run a node agent (`kvdir agent serve`, run by systemd per node).
+
+Start order: open (or re-attach) the pools, register them with the transfer
+engine (one rkey per pool, shared by every backend), register the node with
+the directory under a fresh incarnation and publish what the pools already
+hold, then serve peers (TCP) and the local engine (Unix socket).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent import futures
+from typing import Any
+
+import grpc
+from prometheus_client import start_http_server
+
+from agent.config import AgentConfig
+from agent.fetcher import Fetcher, PeerCache
+from agent.metrics import AgentMetrics
+from agent.pool import KvPool
+from agent.publisher import Holding, NodeIdentity, Publisher, PublisherLimits
+from agent.service import AgentCore, AgentService, EngineService, PoolState, ns_key
+from directory.client import DirectoryClient, DirectoryError
+from directory.validate import namespace_key
+from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
+from proto.kvdir.v1 import directory_pb2 as pb
+from transfer.engine import TransferEngine
+
+log = logging.getLogger("kvdir.agent")
+
+GRPC_WORKERS = 16
+
+
+class AgentStartError(RuntimeError):
+    pass
+
+
+class AgentDaemon:
+    def __init__(self, cfg: AgentConfig) -> None:
+        self.cfg = cfg
+        self.metrics = AgentMetrics()
+        self.pools: dict[str, PoolState] = {}
+        self.engine: TransferEngine | None = None
+        self.publisher: Publisher | None = None
+        self.fetcher: Fetcher | None = None
+        self.core: AgentCore | None = None
+        self.directory = DirectoryClient(list(cfg.directory), timeout_s=5.0)
+        self._servers: list[grpc.Server] = []
+        self._metrics_server: Any = None
+
+    def _open_pools(self) -> list[tuple[pb.Namespace, KvPool, int]]:
+        out: list[tuple[pb.Namespace, KvPool, int]] = []
+        for i, pc in enumerate(self.cfg.pools):
+            ns = pc.namespace()
+            pool = KvPool.open(self.cfg.pool_path(i), namespace_key(ns), pc.slot_bytes, pc.slots)
+            out.append((ns, pool, pb.TIER_GPU if pc.tier == "gpu" else pb.TIER_HOST))
+        return out
+
+    def _holdings(self) -> list[tuple[pb.Namespace, int, list[Holding]]]:
+        out = []
+        for st in self.pools.values():
+            items: list[Holding] = []
+            with st.lock:
+                st.index.clear()
+                for slot, h in st.pool.stored():
+                    st.index[h.block_hash] = slot
+                    items.append(
+                        (
+                            h.block_hash,
+                            st.pool.slot_address(slot),
+                            st.pool.geometry.slot_bytes,
+                            st.region.rkey,
+                            h.generation,
+                        )
+                    )
+            out.append((st.namespace, st.tier, items))
+        return out
+
+    def start(self) -> None:
+        cfg = self.cfg
+        try:
+            opened = self._open_pools()
+        except OSError as e:
+            raise AgentStartError(f"cannot open the KV pool under {cfg.pool_dir}: {e}") from e
+        self.engine = TransferEngine(
+            cfg.transports, host=cfg.host, shared=[pool.mem for _, pool, _ in opened]
+        )
+        for ns, pool, tier in opened:
+            region = self.engine.register(pool.view)
+            self.pools[ns_key(ns)] = PoolState(ns, pool, region, tier)
+        node = NodeIdentity(
+            cfg.node_id, cfg.host, cfg.listen, tuple(self.engine.names), cfg.lease_ms
+        )
+        limits = PublisherLimits(
+            pending_max=cfg.publish_pending_max,
+            batch_window_s=cfg.publish_batch_window_ms / 1000,
+            resync_interval_s=cfg.resync_interval_s,
+        )
+        self.publisher = Publisher(self.directory, node, self._holdings, limits)
+        try:
+            self.publisher.start()
+        except DirectoryError as e:
+            raise AgentStartError(
+                f"cannot register with the directory at {','.join(cfg.directory)}: {e}"
+            ) from e
+        p = self.publisher
+        self.metrics.bind(
+            queue_depth=lambda: p.queue_depth,
+            drops=lambda: p.dropped,
+            published=lambda: p.published,
+            failures=lambda: p.failures,
+            publish_seconds=lambda: p.last_publish_s,
+        )
+        self.fetcher = Fetcher(
+            cfg.node_id,
+            self.directory,
+            PeerCache(self.engine, cfg.node_id),
+            timeout_s=cfg.fetch_timeout_ms / 1000,
+        )
+        self.core = AgentCore(cfg.node_id, self.pools, self.engine, p, self.fetcher, self.metrics)
+        self._serve()
+        log.info(
+            "agent started",
+            extra={
+                "node_id": cfg.node_id,
+                "incarnation": p.incarnation,
+                "listen": cfg.listen,
+                "engine": cfg.engine_socket,
+                "transports": self.engine.names,
+            },
+        )
+
+    def _serve(self) -> None:
+        cfg, core = self.cfg, self.core
+        assert core is not None
+        peers = grpc.server(
+            futures.ThreadPoolExecutor(GRPC_WORKERS, thread_name_prefix="kvdir-agent")
+        )
+        apb_grpc.add_AgentServicer_to_server(AgentService(core), peers)
+        engine = grpc.server(
+            futures.ThreadPoolExecutor(GRPC_WORKERS, thread_name_prefix="kvdir-engine")
+        )
+        apb_grpc.add_EngineServicer_to_server(EngineService(core), engine)
+        os.makedirs(os.path.dirname(cfg.engine_socket) or ".", exist_ok=True)
+        if os.path.exists(cfg.engine_socket):
+            os.unlink(cfg.engine_socket)  # a stale socket from a previous run
+        try:
+            peers.add_insecure_port(cfg.listen)
+            engine.add_insecure_port(f"unix:{cfg.engine_socket}")
+        except RuntimeError as e:
+            raise AgentStartError(
+                f"cannot listen on {cfg.listen} or unix:{cfg.engine_socket}"
+            ) from e
+        peers.start()
+        engine.start()
+        self._servers = [peers, engine]
+        if cfg.metrics_address:
+            host, _, port = cfg.metrics_address.rpartition(":")
+            try:
+                self._metrics_server, _ = start_http_server(int(port), host, self.metrics.registry)
+            except OSError as e:
+                raise AgentStartError(f"cannot serve metrics on {cfg.metrics_address}: {e}") from e
+
+    def stop(self, deregister: bool = True) -> None:
+        """Leave: stop serving, flush and (by default) withdraw our entries."""
+        for s in self._servers:
+            s.stop(1.0).wait(2.0)
+        if self.publisher is not None:
+            self.publisher.stop(deregister=deregister)
+        if self.engine is not None:
+            self.engine.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        for st in self.pools.values():
+            st.pool.close()
+        self.directory.close()
+        log.info("agent stopped", extra={"node_id": self.cfg.node_id})

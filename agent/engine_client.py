@@ -1,0 +1,216 @@
+"""The engine-facing library: what an inference engine on this node links.
+
+It talks to the local agent over its Unix socket (`kvdir.v1.Engine`) and maps
+the agent's pool files read-write, so KV bytes never cross a socket: the
+engine writes a block's KV into a slot it allocated, then calls `stored`.
+
+`stored` and `removed` must not slow the engine down (target: p99 <= 20 us
+on the caller's thread). They update the slot header in shared memory (the
+truth the agent re-publishes from) and append to a bounded in-process queue;
+a background thread ships the queue to the agent in batches. When the queue
+is full a notification is dropped and counted; the agent's periodic resync
+from the headers repairs it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from agent.pool import Geometry, KvPool
+from proto.kvdir.v1 import agent_pb2 as apb
+from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
+from proto.kvdir.v1 import directory_pb2 as pb
+from transfer.memory import SharedMemory
+
+QUEUE_MAX = 65_536
+SHIP_BATCH_MAX = 4_096
+SHIP_INTERVAL_S = 0.002
+
+
+class EngineError(Exception):
+    """The agent refused a request (the message says why) or is unreachable."""
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    slots: list[int]
+    generations: list[int]
+
+
+def _key(ns: pb.Namespace) -> bytes:
+    return ns.SerializeToString(deterministic=True)
+
+
+class _AttachedPool:
+    """The engine's read-write view of one agent pool."""
+
+    def __init__(self, info: apb.PoolInfo) -> None:
+        self.info = info
+        mem = SharedMemory.open_readwrite(info.path, owner=False)
+        self.pool = KvPool(mem, Geometry.of(info.slot_bytes, info.slots), "")
+
+
+class EngineClient:
+    def __init__(self, socket_path: str, timeout_s: float = 10.0) -> None:
+        self._channel = grpc.insecure_channel(f"unix:{socket_path}")
+        self._stub = apb_grpc.EngineStub(self._channel)
+        self.timeout_s = timeout_s
+        try:
+            resp = self._stub.Attach(apb.AttachRequest(), timeout=timeout_s)
+        except grpc.RpcError as e:
+            self._channel.close()
+            raise EngineError(
+                f"cannot attach to the agent at {socket_path}: {e.code().name}"
+            ) from e
+        self.node_id = resp.node_id
+        self.pools = {_key(p.namespace): _AttachedPool(p) for p in resp.pools}
+        self._queue: deque[tuple[bytes, bool, bytes, int, int]] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.dropped = 0
+        self._unreported_drops = 0
+        self._shipper = threading.Thread(
+            target=self._ship_loop, name="kvdir-engine-notify", daemon=True
+        )
+        self._shipper.start()
+
+    # ------------------------------------------------------------- helpers
+
+    def _pool(self, ns: pb.Namespace) -> _AttachedPool:
+        p = self.pools.get(_key(ns))
+        if p is None:
+            raise EngineError(f"the agent has no pool for namespace {ns.model!r}")
+        return p
+
+    def _call(self, method: str, request: object) -> object:
+        try:
+            return getattr(self._stub, method)(request, timeout=self.timeout_s)
+        except grpc.RpcError as e:
+            raise EngineError(f"{method}: {e.details() or e.code().name}") from e
+
+    def slot_view(self, ns: pb.Namespace, slot: int) -> memoryview:
+        """Read-write bytes of one slot (write KV here before `stored`)."""
+        pool = self._pool(ns).pool
+        pool.check_slot(slot)
+        return pool.slot_view(slot)
+
+    # ------------------------------------------------------------ slots
+
+    def allocate(self, ns: pb.Namespace, count: int) -> Allocation:
+        resp = self._call("Allocate", apb.AllocateRequest(namespace=ns, count=count))
+        assert isinstance(resp, apb.AllocateResponse)
+        return Allocation(list(resp.slots), list(resp.generations))
+
+    def free(self, ns: pb.Namespace, slots: Sequence[int]) -> int:
+        self.flush()  # notifications about these slots go first
+        resp = self._call("Free", apb.FreeRequest(namespace=ns, slots=slots))
+        assert isinstance(resp, apb.FreeResponse)
+        return resp.freed
+
+    # ---------------------------------------------------------- notifications
+
+    def _enqueue(self, item: tuple[bytes, bool, bytes, int, int]) -> None:
+        if len(self._queue) >= QUEUE_MAX:
+            self.dropped += 1
+            self._unreported_drops += 1
+            return
+        self._queue.append(item)
+
+    def stored(self, ns: pb.Namespace, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
+        """These slots now hold these blocks. Never blocks on I/O."""
+        attached = self._pool(ns)
+        pool, key = attached.pool, _key(ns)
+        for h, s in zip(hashes, slots, strict=True):
+            gen = pool.header(s).generation
+            if pool.mark_stored(s, h, gen):
+                self._enqueue((key, True, h, s, gen))
+        self._wake.set()
+
+    def removed(self, ns: pb.Namespace, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
+        """These slots no longer hold their blocks (evicted; still allocated)."""
+        attached = self._pool(ns)
+        pool, key = attached.pool, _key(ns)
+        for h, s in zip(hashes, slots, strict=True):
+            before = pool.header(s)
+            if before.block_hash != h:
+                continue
+            pool.evict(s)
+            self._enqueue((key, False, h, s, before.generation))
+        self._wake.set()
+
+    def _ship_loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(0.1)
+            self._wake.clear()
+            self._ship()
+            self._stop.wait(SHIP_INTERVAL_S)
+
+    def _ship(self) -> None:
+        with self._lock:
+            items: list[tuple[bytes, bool, bytes, int, int]] = []
+            while self._queue and len(items) < SHIP_BATCH_MAX:
+                items.append(self._queue.popleft())
+            drops, self._unreported_drops = self._unreported_drops, 0
+            if not items and not drops:
+                return
+            by_ns: dict[bytes, apb.NotifyRequest] = {}
+            for key, store, h, s, g in items:
+                req = by_ns.get(key)
+                if req is None:
+                    req = by_ns[key] = apb.NotifyRequest(namespace=self.pools[key].info.namespace)
+                if store:
+                    req.stored_hashes.append(h)
+                    req.stored_slots.append(s)
+                    req.stored_generations.append(g)
+                else:
+                    req.removed_hashes.append(h)
+                    req.removed_slots.append(s)
+                    req.removed_generations.append(g)
+            if drops and by_ns:
+                next(iter(by_ns.values())).dropped = drops
+            for req in by_ns.values():
+                try:
+                    self._stub.Notify(req, timeout=self.timeout_s)
+                except grpc.RpcError:
+                    # The agent is away; its resync from the headers will catch up.
+                    self.dropped += len(req.stored_hashes) + len(req.removed_hashes)
+        if self._queue:
+            self._wake.set()
+
+    def flush(self) -> None:
+        """Ship every queued notification now (tests, and before freeing slots)."""
+        while self._queue:
+            self._ship()
+
+    # ------------------------------------------------------------ reads
+
+    def lookup(self, ns: pb.Namespace, chain: Sequence[bytes]) -> apb.EngineLookupResponse:
+        resp = self._call("Lookup", apb.EngineLookupRequest(namespace=ns, block_hashes=chain))
+        assert isinstance(resp, apb.EngineLookupResponse)
+        return resp
+
+    def fetch(
+        self, ns: pb.Namespace, chain: Sequence[bytes], slots: Sequence[int], timeout_ms: int = 0
+    ) -> apb.FetchResponse:
+        """Pull `chain` from a peer into `slots`; `valid_blocks` leading blocks are valid."""
+        resp = self._call(
+            "Fetch",
+            apb.FetchRequest(namespace=ns, block_hashes=chain, slots=slots, timeout_ms=timeout_ms),
+        )
+        assert isinstance(resp, apb.FetchResponse)
+        return resp
+
+    def close(self) -> None:
+        self.flush()
+        self._stop.set()
+        self._wake.set()
+        self._shipper.join(2.0)
+        for p in self.pools.values():
+            p.pool.close(unlink=False)
+        self._channel.close()

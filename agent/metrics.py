@@ -1,0 +1,85 @@
+"""Prometheus metrics of a node agent (one registry per agent)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class AgentMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.queue_depth = Gauge(
+            "kvdir_agent_publish_queue_depth", "Changes waiting to be published", registry=r
+        )
+        self.publish_drops = Gauge(
+            "kvdir_agent_publish_dropped",
+            "Changes dropped because the queue was full (resync repairs)",
+            registry=r,
+        )
+        self.published = Gauge(
+            "kvdir_agent_published_entries", "Store changes published to the directory", registry=r
+        )
+        self.publish_failures = Gauge(
+            "kvdir_agent_publish_failures",
+            "Publish batches that failed and were requeued",
+            registry=r,
+        )
+        self.publish_seconds = Gauge(
+            "kvdir_agent_publish_last_seconds", "Time the last publish batch took", registry=r
+        )
+        self.engine_dropped = Counter(
+            "kvdir_agent_engine_notifications_dropped_total",
+            "Notifications the engine library dropped",
+            registry=r,
+        )
+        self.stale_notifications = Counter(
+            "kvdir_agent_stale_notifications_total",
+            "stored notifications that no longer matched the slot header",
+            registry=r,
+        )
+        self.lookups = Counter("kvdir_agent_lookups_total", "Engine lookups", registry=r)
+        self.fetches = Counter(
+            "kvdir_agent_fetches_total", "Fetches by outcome", ["outcome"], registry=r
+        )
+        self.fetch_seconds = Histogram(
+            "kvdir_agent_fetch_seconds", "Fetch latency", buckets=_SECONDS, registry=r
+        )
+        self.fetch_blocks = Counter(
+            "kvdir_agent_fetch_blocks_total", "Blocks fetched valid", registry=r
+        )
+        self.fetch_bytes = Counter(
+            "kvdir_agent_fetch_bytes_total", "Bytes fetched, by backend", ["transport"], registry=r
+        )
+        self.transfer_seconds = Counter(
+            "kvdir_agent_transfer_seconds_total",
+            "Seconds spent in fetch transfers, by backend (bytes / seconds = bandwidth)",
+            ["transport"],
+            registry=r,
+        )
+        self.validation_failures = Counter(
+            "kvdir_agent_validation_failures_total",
+            "Fetched blocks whose holder header no longer matched (slot reused)",
+            registry=r,
+        )
+        self.pool_free_slots = Gauge(
+            "kvdir_agent_pool_free_slots", "Free slots by pool", ["pool"], registry=r
+        )
+
+    def bind(
+        self,
+        *,
+        queue_depth: Callable[[], float],
+        drops: Callable[[], float],
+        published: Callable[[], float],
+        failures: Callable[[], float],
+        publish_seconds: Callable[[], float],
+    ) -> None:
+        self.queue_depth.set_function(queue_depth)
+        self.publish_drops.set_function(drops)
+        self.published.set_function(published)
+        self.publish_failures.set_function(failures)
+        self.publish_seconds.set_function(publish_seconds)

@@ -1,0 +1,317 @@
+"""The agent's gRPC services: kvdir.v1.Engine (local engine) and kvdir.v1.Agent (peers).
+
+Bad input gets INVALID_ARGUMENT (unknown namespace, slot out of range, a
+chain and slot list of different lengths), an exhausted pool
+RESOURCE_EXHAUSTED; nothing a caller sends can take the agent down.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NoReturn, cast
+
+import grpc
+
+from agent.fetcher import Fetcher, FetchError
+from agent.metrics import AgentMetrics
+from agent.pool import STORED, KvPool, PoolError
+from agent.publisher import Publisher
+from proto.kvdir.v1 import agent_pb2 as apb
+from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
+from proto.kvdir.v1 import directory_pb2 as pb
+from transfer.base import Region
+from transfer.engine import TransferEngine
+
+WIRE_VERSION = 1
+CHAIN_BLOCKS_MAX = 4096
+NOTIFY_ENTRIES_MAX = 65536
+
+
+@dataclass
+class PoolState:
+    """One pool and what the agent knows about it."""
+
+    namespace: pb.Namespace
+    pool: KvPool
+    region: Region
+    tier: int
+    index: dict[bytes, int] = field(default_factory=dict)
+    """block hash -> slot holding it (verified against the header on use)."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def info(self) -> apb.PoolInfo:
+        g = self.pool.geometry
+        return apb.PoolInfo(
+            namespace=self.namespace,
+            header_address=self.pool.header_address,
+            header_bytes=64,
+            data_address=self.pool.data_address,
+            slot_bytes=g.slot_bytes,
+            slots=g.slots,
+            rkey=self.region.rkey,
+            path=self.pool.mem.path,
+            tier=cast("pb.Tier.ValueType", self.tier),
+        )
+
+    def local_prefix(self, chain: Sequence[bytes]) -> list[int]:
+        """Slots of the leading blocks of `chain` this pool holds."""
+        out = []
+        for h in chain:
+            slot = self.index.get(h)
+            if slot is None:
+                break
+            hdr = self.pool.header(slot)
+            if hdr.state != STORED or hdr.block_hash != h:
+                break
+            out.append(slot)
+        return out
+
+
+def ns_key(ns: pb.Namespace) -> str:
+    return ns.SerializeToString(deterministic=True).hex()
+
+
+class AgentCore:
+    """What both services share."""
+
+    def __init__(
+        self,
+        node_id: str,
+        pools: dict[str, PoolState],
+        engine: TransferEngine,
+        publisher: Publisher,
+        fetcher: Fetcher,
+        metrics: AgentMetrics,
+    ) -> None:
+        self.node_id = node_id
+        self.pools = pools
+        self.engine = engine
+        self.publisher = publisher
+        self.fetcher = fetcher
+        self.metrics = metrics
+
+    def pool_of(self, ns: pb.Namespace, context: grpc.ServicerContext) -> PoolState:
+        state = self.pools.get(ns_key(ns))
+        if state is None:
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"this agent has no pool for namespace model={ns.model!r} "
+                f"block_tokens={ns.block_tokens}",
+            )
+        return state
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> NoReturn:
+    context.abort(code, msg)
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+class AgentService(apb_grpc.AgentServicer):
+    def __init__(self, core: AgentCore) -> None:
+        self.core = core
+
+    def Handshake(
+        self, request: apb.HandshakeRequest, context: grpc.ServicerContext
+    ) -> apb.HandshakeResponse:
+        if request.version != WIRE_VERSION:
+            _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"wire version {request.version} is not supported (this is {WIRE_VERSION})",
+            )
+        resp = apb.HandshakeResponse(
+            version=WIRE_VERSION,
+            node_id=self.core.node_id,
+            incarnation=self.core.publisher.incarnation,
+        )
+        for d in self.core.engine.descriptors():
+            resp.transports.add(name=d.name, params=d.params)
+        resp.pools.extend(p.info() for p in self.core.pools.values())
+        return resp
+
+    def Health(
+        self, request: apb.AgentHealthRequest, context: grpc.ServicerContext
+    ) -> apb.AgentHealthResponse:
+        p = self.core.publisher
+        return apb.AgentHealthResponse(
+            node_id=self.core.node_id,
+            incarnation=p.incarnation,
+            directory_connected=p.connected,
+            publish_queue_depth=p.queue_depth,
+        )
+
+
+class EngineService(apb_grpc.EngineServicer):
+    def __init__(self, core: AgentCore) -> None:
+        self.core = core
+
+    def Attach(
+        self, request: apb.AttachRequest, context: grpc.ServicerContext
+    ) -> apb.AttachResponse:
+        return apb.AttachResponse(
+            node_id=self.core.node_id,
+            incarnation=self.core.publisher.incarnation,
+            pools=[p.info() for p in self.core.pools.values()],
+        )
+
+    def Allocate(
+        self, request: apb.AllocateRequest, context: grpc.ServicerContext
+    ) -> apb.AllocateResponse:
+        state = self.core.pool_of(request.namespace, context)
+        if request.count == 0:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "count must be > 0")
+        try:
+            got = state.pool.allocate(request.count)
+        except PoolError as e:
+            _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        self.core.metrics.pool_free_slots.labels(ns_key(request.namespace)[:16]).set(
+            state.pool.free_slots
+        )
+        return apb.AllocateResponse(slots=[s for s, _ in got], generations=[g for _, g in got])
+
+    def Free(self, request: apb.FreeRequest, context: grpc.ServicerContext) -> apb.FreeResponse:
+        state = self.core.pool_of(request.namespace, context)
+        try:
+            freed = state.pool.free(list(request.slots))
+        except PoolError as e:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        gone = [(s, h) for s, h in freed if h.state == STORED]
+        if gone:
+            with state.lock:
+                for s, h in gone:
+                    if state.index.get(h.block_hash) == s:
+                        del state.index[h.block_hash]
+            self.core.publisher.removed(
+                state.namespace,
+                state.tier,
+                [h.block_hash for _, h in gone],
+                [h.generation for _, h in gone],
+            )
+        return apb.FreeResponse(freed=len(freed))
+
+    def Notify(
+        self, request: apb.NotifyRequest, context: grpc.ServicerContext
+    ) -> apb.NotifyResponse:
+        state = self.core.pool_of(request.namespace, context)
+        n = len(request.stored_hashes)
+        if n > NOTIFY_ENTRIES_MAX or len(request.removed_hashes) > NOTIFY_ENTRIES_MAX:
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"over {NOTIFY_ENTRIES_MAX} notifications in one batch",
+            )
+        if (
+            not (len(request.stored_slots) == len(request.stored_generations) == n)
+            or len(request.removed_slots) != len(request.removed_hashes)
+            or len(request.removed_generations) != len(request.removed_hashes)
+        ):
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "notification columns differ")
+        if request.dropped:
+            self.core.metrics.engine_dropped.inc(request.dropped)
+        self._stored(state, request)
+        if request.removed_hashes:
+            with state.lock:
+                for h, s in zip(request.removed_hashes, request.removed_slots, strict=True):
+                    if state.index.get(h) == s:
+                        del state.index[h]
+            self.core.publisher.removed(
+                state.namespace,
+                state.tier,
+                list(request.removed_hashes),
+                list(request.removed_generations),
+            )
+        return apb.NotifyResponse()
+
+    def _stored(self, state: PoolState, request: apb.NotifyRequest) -> None:
+        pool = state.pool
+        hashes, addrs, gens = [], [], []
+        stale = 0
+        for h, s, g in zip(
+            request.stored_hashes, request.stored_slots, request.stored_generations, strict=True
+        ):
+            if not 0 <= s < pool.geometry.slots:
+                stale += 1
+                continue
+            hdr = pool.header(s)
+            # The header is the truth; a notification that no longer matches it
+            # (the slot was evicted since) is not published.
+            if hdr.state != STORED or hdr.generation != g or hdr.block_hash != h:
+                stale += 1
+                continue
+            hashes.append(h)
+            addrs.append(pool.slot_address(s))
+            gens.append(g)
+            with state.lock:
+                state.index[h] = s
+        if stale:
+            self.core.metrics.stale_notifications.inc(stale)
+        if hashes:
+            n = len(hashes)
+            self.core.publisher.stored(
+                state.namespace,
+                state.tier,
+                hashes,
+                addrs,
+                [pool.geometry.slot_bytes] * n,
+                [state.region.rkey] * n,
+                gens,
+            )
+
+    def Lookup(
+        self, request: apb.EngineLookupRequest, context: grpc.ServicerContext
+    ) -> apb.EngineLookupResponse:
+        state = self.core.pool_of(request.namespace, context)
+        chain = list(request.block_hashes)
+        if len(chain) > CHAIN_BLOCKS_MAX:
+            _abort(
+                context, grpc.StatusCode.INVALID_ARGUMENT, f"chain over {CHAIN_BLOCKS_MAX} blocks"
+            )
+        self.core.metrics.lookups.inc()
+        local = state.local_prefix(chain)
+        resp = apb.EngineLookupResponse(local_blocks=len(local), local_slots=local)
+        if chain:
+            try:
+                found = self.core.fetcher.directory.lookup(
+                    request.namespace, chain, exclude_node=self.core.node_id, omit_records=True
+                )
+            except Exception as e:  # the directory being down must not fail local answers
+                context.set_trailing_metadata((("kvdir-directory-error", str(e)[:200]),))
+            else:
+                for m in found.matches:
+                    resp.peers.add(
+                        node_id=m.node_id, prefix_blocks=m.prefix_blocks, transports=m.transports
+                    )
+        return resp
+
+    def Fetch(self, request: apb.FetchRequest, context: grpc.ServicerContext) -> apb.FetchResponse:
+        state = self.core.pool_of(request.namespace, context)
+        chain, slots = list(request.block_hashes), list(request.slots)
+        if len(chain) > CHAIN_BLOCKS_MAX:
+            _abort(
+                context, grpc.StatusCode.INVALID_ARGUMENT, f"chain over {CHAIN_BLOCKS_MAX} blocks"
+            )
+        timeout = request.timeout_ms / 1000 if request.timeout_ms else None
+        try:
+            r = self.core.fetcher.fetch(request.namespace, state.pool, chain, slots, timeout)
+        except (FetchError, PoolError) as e:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        m = self.core.metrics
+        m.fetch_seconds.observe(r.seconds)
+        m.fetches.labels("hit" if r.valid_blocks else "miss").inc()
+        m.fetch_blocks.inc(r.valid_blocks)
+        if r.invalidated:
+            m.validation_failures.inc(r.invalidated)
+        if r.transport:
+            m.fetch_bytes.labels(r.transport).inc(r.bytes)
+            m.transfer_seconds.labels(r.transport).inc(r.seconds)
+        return apb.FetchResponse(
+            valid_blocks=r.valid_blocks,
+            source_node=r.source_node,
+            transport=r.transport,
+            bytes=r.bytes,
+            invalidated=r.invalidated,
+            seconds=r.seconds,
+        )

@@ -1,0 +1,87 @@
+"""The transfer engine: one registry, lazily loaded backends, channel choice.
+
+The agent registers its pool once (`register`): every backend exposes the
+same region under the same rkey, which is what the directory publishes. For a
+peer, `open_channel` picks the best backend both sides offer: same-host
+shared memory first, then RDMA, then TCP. Backends are imported only when a
+configuration names them, so pyverbs or CUDA load only where chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from transfer.base import Channel, PeerUnavailable, Region, Transport
+from transfer.memory import Registry, SharedMemory
+
+PREFERENCE = ("shm", "rdma", "tcp")
+"""Backend order for a peer that offers several (fastest first)."""
+
+_BACKENDS = {
+    "tcp": ("transfer.tcp", "TcpTransport"),
+    "shm": ("transfer.shm", "ShmTransport"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    name: str
+    params: dict[str, str]
+
+
+class TransferEngine:
+    def __init__(
+        self, backends: Sequence[str], host: str = "127.0.0.1", shared: Sequence[SharedMemory] = ()
+    ) -> None:
+        unknown = [b for b in backends if b not in _BACKENDS]
+        if unknown:
+            raise ValueError(
+                f"unknown transfer backends: {', '.join(unknown)} "
+                f"(available: {', '.join(sorted(_BACKENDS))})"
+            )
+        self.registry = Registry()
+        self.transports: dict[str, Transport] = {}
+        for name in backends:
+            module, cls = _BACKENDS[name]
+            factory = getattr(importlib.import_module(module), cls)
+            if name == "tcp":
+                self.transports[name] = factory(host=host, registry=self.registry)
+            elif name == "shm":
+                if not shared:
+                    raise ValueError("the shm backend needs the pools' shared memory")
+                self.transports[name] = factory(shared, registry=self.registry)
+        self._lock = threading.Lock()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.transports)
+
+    def register(self, memory: memoryview) -> Region:
+        """Expose `memory` through every backend under one rkey."""
+        regions = {t.register(memory) for t in self.transports.values()}
+        assert len(regions) == 1, "backends disagree on a region"
+        return regions.pop()
+
+    def descriptors(self) -> list[Descriptor]:
+        return [Descriptor(n, t.descriptor()) for n, t in self.transports.items()]
+
+    def open_channel(self, offered: Sequence[Descriptor]) -> tuple[str, Channel]:
+        """A channel over the best backend both sides have; tries the next on failure."""
+        by_name = {d.name: d for d in offered}
+        errors = []
+        for name in PREFERENCE:
+            if name in by_name and name in self.transports:
+                try:
+                    return name, self.transports[name].connect(by_name[name].params)
+                except PeerUnavailable as e:
+                    errors.append(f"{name}: {e}")
+        raise PeerUnavailable(
+            "no common transport works: " + ("; ".join(errors) or "none offered in common")
+        )
+
+    def close(self) -> None:
+        for t in self.transports.values():
+            t.close()
