@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from agent.pool import Geometry, KvPool
+from agent.pool import STORED, Geometry, KvPool
 from proto.kvdir.v1 import agent_pb2 as apb
 from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
 from proto.kvdir.v1 import directory_pb2 as pb
@@ -40,6 +40,10 @@ class EngineError(Exception):
 class Allocation:
     slots: list[int]
     generations: list[int]
+
+
+_Item = tuple[bytes, bool, tuple[bytes, ...], tuple[int, ...], list[int]]
+"""(namespace key, stored?, hashes, slots, generations) of one stored/removed call."""
 
 
 def _key(ns: pb.Namespace) -> bytes:
@@ -69,7 +73,7 @@ class EngineClient:
             ) from e
         self.node_id = resp.node_id
         self.pools = {_key(p.namespace): _AttachedPool(p) for p in resp.pools}
-        self._queue: deque[tuple[bytes, bool, bytes, int, int]] = deque()
+        self._queue: deque[_Item] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -115,34 +119,62 @@ class EngineClient:
 
     # ---------------------------------------------------------- notifications
 
-    def _enqueue(self, item: tuple[bytes, bool, bytes, int, int]) -> None:
+    def _enqueue(self, item: _Item) -> bool:
         if len(self._queue) >= QUEUE_MAX:
-            self.dropped += 1
-            self._unreported_drops += 1
-            return
+            self.dropped += len(item[2])
+            self._unreported_drops += len(item[2])
+            return False
         self._queue.append(item)
+        if not self._wake.is_set():
+            self._wake.set()
+        return True
 
     def stored(self, ns: pb.Namespace, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
-        """These slots now hold these blocks. Never blocks on I/O."""
-        attached = self._pool(ns)
-        pool, key = attached.pool, _key(ns)
-        for h, s in zip(hashes, slots, strict=True):
-            gen = pool.header(s).generation
-            if pool.mark_stored(s, h, gen):
-                self._enqueue((key, True, h, s, gen))
-        self._wake.set()
+        """These slots now hold these blocks (their KV is written). Never blocks on I/O.
+
+        The caller's thread only reads each slot's generation and queues one
+        item; the shipper thread writes the headers and notifies the agent.
+        When the queue is full the headers are written here instead (the
+        agent's resync publishes from headers, so nothing is lost).
+        """
+        key = _key(ns)
+        pool = self._pool(ns).pool
+        if len(hashes) != len(slots):
+            raise EngineError(f"{len(hashes)} hashes for {len(slots)} slots")
+        item = (key, True, tuple(hashes), tuple(slots), pool.generations(slots))
+        if not self._enqueue(item):
+            self._mark_stored(pool, item)
 
     def removed(self, ns: pb.Namespace, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
-        """These slots no longer hold their blocks (evicted; still allocated)."""
-        attached = self._pool(ns)
-        pool, key = attached.pool, _key(ns)
+        """These slots no longer hold their blocks (evicted; still allocated).
+
+        The generation is bumped here, before this returns, because the engine
+        may rewrite the slot right after: a reader must never validate new
+        bytes against the old block.
+        """
+        key = _key(ns)
+        pool = self._pool(ns).pool
+        hs, ss, gens = [], [], []
         for h, s in zip(hashes, slots, strict=True):
             before = pool.header(s)
-            if before.block_hash != h:
+            if before.state == STORED and before.block_hash != h:
                 continue
             pool.evict(s)
-            self._enqueue((key, False, h, s, before.generation))
-        self._wake.set()
+            hs.append(h)
+            ss.append(s)
+            gens.append(before.generation)
+        if hs:
+            self._enqueue((key, False, tuple(hs), tuple(ss), gens))
+
+    @staticmethod
+    def _mark_stored(pool: KvPool, item: _Item) -> list[int]:
+        """Write STORED headers for an item; indexes of the blocks still current."""
+        _, _, hashes, slots, gens = item
+        return [
+            i
+            for i, (h, s, g) in enumerate(zip(hashes, slots, gens, strict=True))
+            if pool.mark_stored(s, h, g)
+        ]
 
     def _ship_loop(self) -> None:
         while not self._stop.is_set():
@@ -153,25 +185,30 @@ class EngineClient:
 
     def _ship(self) -> None:
         with self._lock:
-            items: list[tuple[bytes, bool, bytes, int, int]] = []
-            while self._queue and len(items) < SHIP_BATCH_MAX:
-                items.append(self._queue.popleft())
+            items: list[_Item] = []
+            n = 0
+            while self._queue and n < SHIP_BATCH_MAX:
+                item = self._queue.popleft()
+                items.append(item)
+                n += len(item[2])
             drops, self._unreported_drops = self._unreported_drops, 0
             if not items and not drops:
                 return
             by_ns: dict[bytes, apb.NotifyRequest] = {}
-            for key, store, h, s, g in items:
+            for item in items:
+                key, store, hashes, slots, gens = item
                 req = by_ns.get(key)
                 if req is None:
                     req = by_ns[key] = apb.NotifyRequest(namespace=self.pools[key].info.namespace)
                 if store:
-                    req.stored_hashes.append(h)
-                    req.stored_slots.append(s)
-                    req.stored_generations.append(g)
+                    for i in self._mark_stored(self.pools[key].pool, item):
+                        req.stored_hashes.append(hashes[i])
+                        req.stored_slots.append(slots[i])
+                        req.stored_generations.append(gens[i])
                 else:
-                    req.removed_hashes.append(h)
-                    req.removed_slots.append(s)
-                    req.removed_generations.append(g)
+                    req.removed_hashes.extend(hashes)
+                    req.removed_slots.extend(slots)
+                    req.removed_generations.extend(gens)
             if drops and by_ns:
                 next(iter(by_ns.values())).dropped = drops
             for req in by_ns.values():
