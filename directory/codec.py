@@ -129,7 +129,9 @@ class _Reader:
         mode = self.u8()
         if mode == 0:
             w = self.u8()
-            if n and not 1 <= w <= HASH_BYTES_MAX:
+            if n == 0:
+                return []
+            if not 1 <= w <= HASH_BYTES_MAX:
                 raise CodecError(f"hash width {w} out of range")
             blob = self.take(n * w)
             return [blob[i : i + w] for i in range(0, n * w, w)]

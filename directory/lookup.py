@@ -15,7 +15,7 @@ that leaves this module refers to a column's memory.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import repeat
@@ -41,6 +41,60 @@ class PackedRecords:
     tiers: bytes  # u8 each
 
 
+class Chain:
+    """A lookup chain: block hashes in order, packed when they share one width.
+
+    The packed form (one bytes object, `width` bytes per hash) is what the
+    fast path needs: the run check compares 8-byte fingerprints of the whole
+    chain in one vectorised step, and only the few blocks where a run breaks
+    are materialised as Python bytes for a dict probe.
+    """
+
+    __slots__ = ("_items", "data", "n", "width")
+
+    def __init__(self, data: bytes, width: int, items: list[bytes] | None = None) -> None:
+        self.data = data
+        self.width = width
+        self.n = len(items) if items is not None else (len(data) // width if width else 0)
+        self._items = items
+
+    @classmethod
+    def of(cls, hashes: Sequence[bytes]) -> Chain:
+        items = list(hashes)
+        widths = set(map(len, items))
+        if len(widths) == 1:
+            return cls(b"".join(items), widths.pop(), items)
+        return cls(b"", 0, items)
+
+    def __len__(self) -> int:
+        return self.n
+
+    @property
+    def packed(self) -> bool:
+        return self.width > 0
+
+    def item(self, i: int) -> bytes:
+        if self._items is not None:
+            return self._items[i]
+        return self.data[i * self.width : (i + 1) * self.width]
+
+    def items(self) -> list[bytes]:
+        if self._items is None:
+            w = self.width
+            self._items = [self.data[i : i + w] for i in range(0, self.n * w, w)]
+        return self._items
+
+    def fingerprints(self) -> Any:
+        """First 8 bytes of each hash as big-endian u64, zero-padded (as `Columns.fp`)."""
+        raw = np.frombuffer(self.data, np.uint8).reshape(self.n, self.width)
+        if self.width == 8:
+            return raw.view(">u8").ravel()
+        out = np.zeros((self.n, 8), np.uint8)
+        k = min(8, self.width)
+        out[:, :k] = raw[:, :k]
+        return out.view(">u8").ravel()
+
+
 @dataclass(slots=True)
 class _V:
     addr: Any
@@ -50,6 +104,10 @@ class _V:
     tier: Any
     node: Any
     bnext: Any
+    fp: Any
+    kw: Any
+    solo: Any
+    ns: Any
 
 
 @contextmanager
@@ -62,6 +120,10 @@ def _views(c: Columns) -> Iterator[_V]:
         np.frombuffer(c.tier, np.uint8),
         np.frombuffer(c.node, np.uint32),
         np.frombuffer(c.bnext, np.uint32),
+        np.frombuffer(c.fp, np.uint64),
+        np.frombuffer(c.kw, np.uint8),
+        np.frombuffer(c.solo, np.uint8),
+        np.frombuffer(c.ns, np.uint32),
     )
     try:
         yield v
@@ -69,29 +131,90 @@ def _views(c: Columns) -> Iterator[_V]:
         # Drop the exports now, even when unwinding: a traceback that kept a
         # view alive would make the next append in `apply` fail.
         v.addr = v.length = v.rkey = v.gen = v.tier = v.node = v.bnext = None
+        v.fp = v.kw = v.solo = v.ns = None
 
 
 def longest_prefixes(
-    table: Table, namespace: str, chain: list[bytes], exclude: int
-) -> list[tuple[int, list[int]]]:
-    """(node index, slots of its contiguous prefix) for every holder of block 0."""
+    table: Table, namespace: str, chain: Chain, exclude: int
+) -> list[tuple[int, Any]]:
+    """(node index, slots of its contiguous prefix as an int64 array) for every holder
+    of block 0."""
     ns = table.ns_ids.get(namespace)
-    if ns is None or not chain:
+    if ns is None or not len(chain):
         return []
+    blocks = table.blocks[ns]
+    s0 = blocks.get(chain.item(0), NIL)
+    if s0 == NIL:
+        return []
+    c = table.col
+    if chain.packed and c.solo[s0]:
+        # Block 0 has one holder, so only that node can hold a prefix.
+        if c.node[s0] == exclude:
+            return []
+        with _views(c) as v:
+            return [(c.node[s0], _follow_runs(v, blocks, chain, ns, s0))]
     n = len(chain)
-    h = np.fromiter(map(table.blocks[ns].get, chain, repeat(NIL, n)), np.int64, n)
+    h = np.fromiter(map(blocks.get, chain.items(), repeat(NIL, n)), np.int64, n)
     gaps = np.flatnonzero(h == NIL)
     if len(gaps):
         h = h[: gaps[0]]
-    if not len(h):
-        return []
-    with _views(table.col) as v:
+    with _views(c) as v:
         if bool((v.bnext[h] == NIL).all()):
             return _single_holder(v, h, exclude)
         return _multi_holder(v, h, exclude)
 
 
-def _single_holder(v: _V, h: Any, exclude: int) -> list[tuple[int, list[int]]]:
+def _follow_runs(v: _V, blocks: dict[bytes, int], chain: Chain, ns: int, s0: int) -> Any:
+    """Prefix of node(s0), the sole holder of block 0: follow runs of consecutive slots.
+
+    A holder that published a chain in one batch stored it in consecutive
+    slots, so slot s+1 usually holds block i+1: one vectorised comparison
+    (fingerprint, key width, namespace, node) accepts a whole run without a
+    dict probe per block. Where a run breaks, one dict probe finds the node's
+    slot for that block and a new run starts there; a block the node does not
+    hold ends the prefix. Blocks the node shares with other holders are
+    re-resolved through their holder chain so the node's best tier wins.
+    """
+    fps = chain.fingerprints()
+    n, width, node = len(chain), chain.width, int(v.node[s0])
+    nslots = len(v.fp)
+    runs: list[Any] = []
+    i, s = 0, s0
+    while i < n:
+        k = min(n - i, nslots - s)
+        cand = np.arange(s, s + k)
+        ok = (
+            (v.fp[cand] == fps[i : i + k])
+            & (v.kw[cand] == width)
+            & (v.ns[cand] == ns)
+            & (v.node[cand] == node)
+        )
+        bad = np.flatnonzero(~ok)
+        run = int(bad[0]) if len(bad) else k
+        slots = cand[:run].copy()
+        for j in np.flatnonzero(v.solo[slots] == 0).tolist():
+            slots[j] = _best_slot(v, blocks.get(chain.item(i + j), NIL), node)
+        runs.append(slots)
+        i += run
+        if i >= n:
+            break
+        s = _best_slot(v, blocks.get(chain.item(i), NIL), node)
+        if s == NIL:
+            break
+    return runs[0] if len(runs) == 1 else np.concatenate(runs)
+
+
+def _best_slot(v: _V, head: int, node: int) -> int:
+    """`node`'s slot on a holder chain, best tier first; NIL if it holds none."""
+    best, s = NIL, head
+    while s != NIL:
+        if v.node[s] == node and (best == NIL or v.tier[s] < v.tier[best]):
+            best = s
+        s = int(v.bnext[s])
+    return best
+
+
+def _single_holder(v: _V, h: Any, exclude: int) -> list[tuple[int, Any]]:
     """Every block has exactly one holder slot: one node, cut at its first gap."""
     nodes = v.node[h]
     n0 = int(nodes[0])
@@ -99,10 +222,10 @@ def _single_holder(v: _V, h: Any, exclude: int) -> list[tuple[int, list[int]]]:
         return []
     other = np.flatnonzero(nodes != n0)
     run = int(other[0]) if len(other) else len(h)
-    return [(n0, h[:run].tolist())]
+    return [(n0, h[:run])]
 
 
-def _multi_holder(v: _V, h: Any, exclude: int) -> list[tuple[int, list[int]]]:
+def _multi_holder(v: _V, h: Any, exclude: int) -> list[tuple[int, Any]]:
     """Walk the holder chains level by level (all blocks at once per level)."""
     levels = [h]
     cur = h
@@ -135,13 +258,13 @@ def _multi_holder(v: _V, h: Any, exclude: int) -> list[tuple[int, list[int]]]:
             best_tier[better] = lt[better]
         gaps = np.flatnonzero(best == NIL)
         run = int(gaps[0]) if len(gaps) else len(h)
-        out.append((n, best[:run].tolist()))
+        out.append((n, best[:run]))
     return out
 
 
-def packed_records(table: Table, slots: list[int]) -> PackedRecords:
+def packed_records(table: Table, slots: Sequence[int]) -> PackedRecords:
     with _views(table.col) as v:
-        s = np.array(slots, dtype=np.int64)
+        s = np.asarray(slots, dtype=np.int64)
         return PackedRecords(
             v.addr[s].astype("<u8", copy=False).tobytes(),
             v.length[s].astype("<u4", copy=False).tobytes(),

@@ -130,6 +130,7 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
             raftMinTimeout=tuning.election_min_s,
             raftMaxTimeout=tuning.election_max_s,
             connectionTimeout=tuning.connection_timeout_s,
+            connectionRetryTime=tuning.election_min_s,  # redial idle follower links at once
             leaderFallbackTimeout=tuning.leader_fallback_s,
             journalFile=os.path.join(data_dir, "journal.bin"),
             fullDumpFile=self.dump_path,
@@ -218,8 +219,16 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
         return int(self.getStatus()["state"])
 
     def leader_address(self) -> str | None:
+        """The leader's Raft address, or None when this replica cannot reach one.
+
+        pysyncobj forgets a dead leader only when an election starts, and it
+        starts one only while connected to some peer; a follower cut off from
+        everyone would otherwise keep naming its dead leader forever.
+        """
         leader = self._getLeader()
-        return None if leader is None else str(leader.address)
+        if leader is None or (leader != self.selfNode and not self.isNodeConnected(leader)):
+            return None
+        return str(leader.address)
 
     def members(self) -> list[tuple[str, bool, bool]]:
         """(raft address, connected, is self) for every member."""

@@ -146,7 +146,7 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
             context.set_trailing_metadata(
                 (("kvdir-outcome", "unknown"), ("kvdir-leader", self.leader_grpc()))
             )
-            expired = (context.time_remaining() or 1.0) <= 0
+            expired = context.time_remaining() <= 0  # 0 once past the deadline, never None
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.ABORTED
             context.abort(code, f"outcome unknown: {res.reason}; the write is idempotent, retry it")
         result = res.result

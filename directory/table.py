@@ -18,6 +18,7 @@ Thread-safety: none here; the Raft adapter serialises `apply` against reads.
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from directory import lookup as prefix_lookup
@@ -70,7 +71,8 @@ class Match:
     """One node's contiguous prefix from block 0 and the slots holding it."""
 
     node: NodeState
-    slots: list[int] = field(default_factory=list)
+    slots: Sequence[int] = field(default_factory=list)
+    """Slot of each prefix block (an int64 numpy array from lookups)."""
 
     @property
     def prefix_blocks(self) -> int:
@@ -94,14 +96,17 @@ class Columns:
     __slots__ = (
         "addr",
         "bnext",
+        "fp",
         "gen",
         "key",
+        "kw",
         "length",
         "nnext",
         "node",
         "nprev",
         "ns",
         "rkey",
+        "solo",
         "tier",
     )
 
@@ -116,6 +121,12 @@ class Columns:
         self.bnext = array("I")
         self.nprev = array("I")
         self.nnext = array("I")
+        self.fp = array("Q")
+        """First 8 bytes of the key, big-endian, zero-padded (lookup's run check)."""
+        self.kw = array("B")
+        """Key width in bytes."""
+        self.solo = array("B")
+        """1 when this slot is its block's only holder (lookup's fast path)."""
         self.key: list[bytes | None] = []
 
     def arrays(self) -> list[array[int]]:
@@ -131,6 +142,9 @@ class Columns:
             self.bnext,
             self.nprev,
             self.nnext,
+            self.fp,
+            self.kw,
+            self.solo,
         ]
 
     def __len__(self) -> int:
@@ -294,6 +308,10 @@ class Table:
                 tier,
             )
             cnext[s] = head
+            if head == NIL:
+                c.solo[s] = 1
+            else:
+                c.solo[s] = c.solo[head] = 0
             blocks[h] = s
             applied += 1
         return Published(applied, stale)
@@ -302,11 +320,14 @@ class Table:
         """Take a slot, owned by `node`, linked at the head of the node's list."""
         c = self.col
         s = self.free
+        fp = int.from_bytes(key[:8].ljust(8, b"\0"), "big")
         if s != NIL:
             self.free = c.bnext[s]
             c.key[s] = key
             c.ns[s] = ns
             c.node[s] = nidx
+            c.fp[s] = fp
+            c.kw[s] = len(key)
         else:
             s = len(c.key)
             for col in (c.addr, c.gen):
@@ -314,8 +335,11 @@ class Table:
             for col in (c.length, c.rkey, c.bnext, c.nprev, c.nnext):
                 col.append(NIL)
             c.tier.append(0)
+            c.solo.append(0)
             c.node.append(nidx)
             c.ns.append(ns)
+            c.fp.append(fp)
+            c.kw.append(len(key))
             c.key.append(key)
         c.nprev[s] = NIL
         c.nnext[s] = node.head
@@ -341,6 +365,7 @@ class Table:
         node.entries -= 1
         self.entries -= 1
         c.node[s] = NIL
+        c.solo[s] = 0
         c.key[s] = None
         c.bnext[s] = self.free
         self.free = s
@@ -350,16 +375,18 @@ class Table:
         c = self.col
         head = blocks[key]
         if head == s:
-            nxt = c.bnext[s]
-            if nxt == NIL:
+            head = c.bnext[s]
+            if head == NIL:
                 del blocks[key]
-            else:
-                blocks[key] = nxt
-            return
-        p = head
-        while c.bnext[p] != s:
-            p = c.bnext[p]
-        c.bnext[p] = c.bnext[s]
+                return
+            blocks[key] = head
+        else:
+            p = head
+            while c.bnext[p] != s:
+                p = c.bnext[p]
+            c.bnext[p] = c.bnext[s]
+        if c.bnext[head] == NIL:
+            c.solo[head] = 1
 
     def _evict_oldest_holder(self, blocks: dict[bytes, int], key: bytes, head: int) -> None:
         # New holders go to the head, so the tail is the longest-standing one.
@@ -374,6 +401,8 @@ class Table:
         node = self._check_node(cmd.node_id, cmd.incarnation)
         if isinstance(node, Rejected):
             return node
+        if cmd.generations and len(cmd.generations) != len(cmd.hashes):
+            return Rejected(Reject.BAD_BATCH, "remove generations differ in length from hashes")
         ns = self.ns_ids.get(cmd.namespace)
         if ns is None:
             return Removed(0)
@@ -411,7 +440,9 @@ class Table:
         node = self._check_node(cmd.node_id, cmd.incarnation)
         if isinstance(node, Rejected):
             return node
-        if cmd.namespace is None:
+        if cmd.namespace is None or cmd.deregister:
+            # A node that leaves takes every entry with it, whatever namespace was
+            # named: entries must never outlive the node index they point at.
             removed = self._drop_node_entries(node, None)
         else:
             ns = self.ns_ids.get(cmd.namespace)
@@ -455,7 +486,11 @@ class Table:
         return out[:limit]
 
     def lookup(
-        self, namespace: str, chain: list[bytes], max_nodes: int, exclude_node: str = ""
+        self,
+        namespace: str,
+        chain: Sequence[bytes] | prefix_lookup.Chain,
+        max_nodes: int,
+        exclude_node: str = "",
     ) -> list[Match]:
         """Each holder node's longest contiguous prefix of `chain` from block 0.
 
@@ -466,13 +501,15 @@ class Table:
             return []
         exclude = self.node_idx.get(exclude_node, NIL) if exclude_node else NIL
         matches = []
+        if not isinstance(chain, prefix_lookup.Chain):
+            chain = prefix_lookup.Chain.of(chain)
         for n, slots in prefix_lookup.longest_prefixes(self, namespace, chain, exclude):
             node = self.node_by_idx[n]
             assert node is not None, "a slot points at a forgotten node"
             matches.append(Match(node, slots))
         return prefix_lookup.sort_matches(matches, max_nodes)
 
-    def records(self, slots: list[int]) -> Records:
+    def records(self, slots: Sequence[int]) -> Records:
         """Holder records of `slots` as Python ints (tests, tools)."""
         c = self.col
         return Records(
@@ -483,7 +520,7 @@ class Table:
             tuple(c.tier[s] for s in slots),
         )
 
-    def packed_records(self, slots: list[int]) -> prefix_lookup.PackedRecords:
+    def packed_records(self, slots: Sequence[int]) -> prefix_lookup.PackedRecords:
         """Holder records of `slots` as packed little-endian bytes (the wire form)."""
         return prefix_lookup.packed_records(self, slots)
 

@@ -24,6 +24,7 @@ from directory.limits import (
     TRANSPORTS_MAX,
     RequestLimits,
 )
+from directory.lookup import Chain
 from proto.kvdir.v1 import directory_pb2 as pb
 
 _U32_MAX = 0xFFFFFFFF
@@ -134,18 +135,50 @@ def remove(req: pb.RemoveRequest, limits: RequestLimits) -> Remove:
     return Remove(node_id(req.node_id), req.incarnation, ns, tier(req.tier), hs, gens)
 
 
-def lookup_chain(req: pb.LookupRequest, limits: RequestLimits) -> tuple[str, list[bytes], int]:
+def _packed_chain(req: pb.LookupRequest, limit: int) -> Chain:
+    if req.block_hashes or req.block_ids:
+        raise BadRequest("bad-hashes", "lookup: give one of block_hashes, block_ids, packed_hashes")
+    w = req.hash_width
+    if not 0 < w <= HASH_BYTES_MAX or len(req.packed_hashes) % w:
+        raise BadRequest(
+            "bad-hashes",
+            f"lookup: packed_hashes of {len(req.packed_hashes)} bytes is not a whole number "
+            f"of hash_width {w} (1..{HASH_BYTES_MAX}) hashes",
+        )
+    n = len(req.packed_hashes) // w
+    if n > limit:
+        raise BadRequest("too-many-blocks", f"lookup: {n} blocks is over the limit of {limit}")
+    return Chain(req.packed_hashes, w)
+
+
+def chain(req: pb.LookupRequest, limit: int) -> Chain:
+    """A lookup's chain in its cheapest form (packed whenever the widths agree)."""
+    if req.packed_hashes or req.hash_width:
+        return _packed_chain(req, limit)
+    if req.block_ids and not req.block_hashes:
+        n = len(req.block_ids)
+        if n > limit:
+            raise BadRequest("too-many-blocks", f"lookup: {n} blocks is over the limit of {limit}")
+        return Chain(struct.pack(f">{n}Q", *req.block_ids), 8)
+    items = hashes(req.block_hashes, req.block_ids, limit, "lookup")
+    widths = set(map(len, items))
+    if len(widths) == 1:
+        return Chain(b"".join(items), widths.pop(), items)
+    return Chain(b"", 0, items)
+
+
+def lookup_chain(req: pb.LookupRequest, limits: RequestLimits) -> tuple[str, Chain, int]:
     """(namespace key, chain, max nodes) of a lookup."""
     ns = namespace_key(req.namespace)
-    chain = hashes(req.block_hashes, req.block_ids, limits.chain_blocks_max, "lookup")
-    if not chain:
+    chain_ = chain(req, limits.chain_blocks_max)
+    if not len(chain_):
         raise BadRequest("bad-chain", "lookup chain is empty")
     max_nodes = req.max_nodes or limits.lookup_nodes_default
     if max_nodes > limits.lookup_nodes_max:
         raise BadRequest(
             "bad-max-nodes", f"max_nodes {max_nodes} is over the limit of {limits.lookup_nodes_max}"
         )
-    return ns, chain, max_nodes
+    return ns, chain_, max_nodes
 
 
 def registration(req: pb.RegisterNodeRequest, lease_default_ms: int) -> tuple[str, int]:

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eproto/kvdir/v1/directory.proto\x12\x08kvdir.v1\"q\n\tNamespace\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x03 \x01(\r\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\"\xed\x01\n\x0ePublishRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12&\n\tnamespace\x18\x03 \x01(\x0b\x32\x13.kvdir.v1.Namespace\x12\x1c\n\x04tier\x18\x04 \x01(\x0e\x32\x0e.kvdir.v1.Tier\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x11\n\tblock_ids\x18\x06 \x03(\x06\x12\x11\n\taddresses\x18\x07 \x03(\x06\x12\x0f\n\x07lengths\x18\x08 \x03(\r\x12\r\n\x05rkeys\x18\t \x03(\r\x12\x13\n\x0bgenerations\x18\n \x03(\x04\"H\n\x0fPublishResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\r\x12\r\n\x05stale\x18\x02 \x01(\r\x12\x15\n\rapplied_index\x18\x03 \x01(\x04\"\xb9\x01\n\rRemoveRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12&\n\tnamespace\x18\x03 \x01(\x0b\x32\x13.kvdir.v1.Namespace\x12\x1c\n\x04tier\x18\x04 \x01(\x0e\x32\x0e.kvdir.v1.Tier\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x11\n\tblock_ids\x18\x06 \x03(\x06\x12\x13\n\x0bgenerations\x18\x07 \x03(\x04\"8\n\x0eRemoveResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\x12\x15\n\rapplied_index\x18\x02 \x01(\x04\"\xb5\x01\n\rLookupRequest\x12&\n\tnamespace\x18\x01 \x01(\x0b\x32\x13.kvdir.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\x06\x12\x11\n\tmax_nodes\x18\x04 \x01(\r\x12\x14\n\x0c\x65xclude_node\x18\x05 \x01(\t\x12\x14\n\x0clinearizable\x18\x06 \x01(\x08\x12\x14\n\x0comit_records\x18\x07 \x01(\x08\"\xc4\x01\n\tNodeMatch\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rprefix_blocks\x18\x02 \x01(\r\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_endpoint\x18\x04 \x01(\t\x12\x12\n\ntransports\x18\x05 \x03(\t\x12\x11\n\taddresses\x18\x06 \x01(\x0c\x12\x0f\n\x07lengths\x18\x07 \x01(\x0c\x12\r\n\x05rkeys\x18\x08 \x01(\x0c\x12\x13\n\x0bgenerations\x18\t \x01(\x0c\x12\r\n\x05tiers\x18\n \x01(\x0c\"\x7f\n\x08ReadInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.kvdir.v1.Role\x12\x15\n\rapplied_index\x18\x03 \x01(\x04\x12\x14\n\x0c\x63ommit_index\x18\x04 \x01(\x04\x12\x14\n\x0clinearizable\x18\x05 \x01(\x08\"X\n\x0eLookupResponse\x12$\n\x07matches\x18\x01 \x03(\x0b\x32\x13.kvdir.v1.NodeMatch\x12 \n\x04read\x18\x02 \x01(\x0b\x32\x12.kvdir.v1.ReadInfo\"T\n\x12LookupBatchRequest\x12(\n\x07lookups\x18\x01 \x03(\x0b\x32\x17.kvdir.v1.LookupRequest\x12\x14\n\x0clinearizable\x18\x02 \x01(\x08\"b\n\x13LookupBatchResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.kvdir.v1.LookupResponse\x12 \n\x04read\x18\x02 \x01(\x0b\x32\x12.kvdir.v1.ReadInfo\"\x87\x01\n\x13RegisterNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_endpoint\x18\x03 \x01(\t\x12\x12\n\ntransports\x18\x04 \x03(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x12\x10\n\x08lease_ms\x18\x06 \x01(\r\"_\n\x14RegisterNodeResponse\x12\x17\n\x0flease_expiry_ms\x18\x01 \x01(\x04\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\x12\x1c\n\x14replaced_incarnation\x18\x03 \x01(\x08\"8\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\",\n\x11HeartbeatResponse\x12\x17\n\x0flease_expiry_ms\x18\x01 \x01(\x04\"t\n\x10\x43learNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12&\n\tnamespace\x18\x03 \x01(\x0b\x32\x13.kvdir.v1.Namespace\x12\x12\n\nderegister\x18\x04 \x01(\x08\"$\n\x11\x43learNodeResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04\"\x12\n\x10ListNodesRequest\"\x94\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_endpoint\x18\x03 \x01(\t\x12\x12\n\ntransports\x18\x04 \x03(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x12\x17\n\x0flease_expiry_ms\x18\x06 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x07 \x01(\x04\"X\n\x11ListNodesResponse\x12!\n\x05nodes\x18\x01 \x03(\x0b\x32\x12.kvdir.v1.NodeInfo\x12 \n\x04read\x18\x02 \x01(\x0b\x32\x12.kvdir.v1.ReadInfo\"\x16\n\x14\x43lusterStatusRequest\"l\n\x06Member\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x14\n\x0craft_address\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x11\n\tconnected\x18\x04 \x01(\x08\x12\x0f\n\x07is_self\x18\x05 \x01(\x08\"\xdf\x02\n\x15\x43lusterStatusResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.kvdir.v1.Role\x12\x11\n\tleader_id\x18\x03 \x01(\t\x12\x1b\n\x13leader_grpc_address\x18\x04 \x01(\t\x12\x0c\n\x04term\x18\x05 \x01(\x04\x12\x14\n\x0c\x63ommit_index\x18\x06 \x01(\x04\x12\x15\n\rapplied_index\x18\x07 \x01(\x04\x12!\n\x07members\x18\x08 \x03(\x0b\x32\x10.kvdir.v1.Member\x12\x0f\n\x07\x65ntries\x18\t \x01(\x04\x12\x0e\n\x06\x62locks\x18\n \x01(\x04\x12\r\n\x05nodes\x18\x0b \x01(\r\x12\x12\n\nnamespaces\x18\x0c \x01(\r\x12\x12\n\nhas_quorum\x18\r \x01(\x08\x12\x13\n\x0blog_entries\x18\x0e \x01(\x04\x12\x19\n\x11last_compaction_s\x18\x0f \x01(\x01\"6\n\x0b\x45\x63hoRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x16\n\x0eresponse_bytes\x18\x02 \x01(\r\"\x1f\n\x0c\x45\x63hoResponse\x12\x0f\n\x07payload\x18\x01 \x01(\x0c*9\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_HOST\x10\x02*T\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x11\n\rROLE_FOLLOWER\x10\x01\x12\x12\n\x0eROLE_CANDIDATE\x10\x02\x12\x0f\n\x0bROLE_LEADER\x10\x03\x32\x8a\x05\n\x0fPrefixDirectory\x12>\n\x07Publish\x12\x18.kvdir.v1.PublishRequest\x1a\x19.kvdir.v1.PublishResponse\x12;\n\x06Remove\x12\x17.kvdir.v1.RemoveRequest\x1a\x18.kvdir.v1.RemoveResponse\x12;\n\x06Lookup\x12\x17.kvdir.v1.LookupRequest\x1a\x18.kvdir.v1.LookupResponse\x12J\n\x0bLookupBatch\x12\x1c.kvdir.v1.LookupBatchRequest\x1a\x1d.kvdir.v1.LookupBatchResponse\x12M\n\x0cRegisterNode\x12\x1d.kvdir.v1.RegisterNodeRequest\x1a\x1e.kvdir.v1.RegisterNodeResponse\x12\x44\n\tHeartbeat\x12\x1a.kvdir.v1.HeartbeatRequest\x1a\x1b.kvdir.v1.HeartbeatResponse\x12\x44\n\tClearNode\x12\x1a.kvdir.v1.ClearNodeRequest\x1a\x1b.kvdir.v1.ClearNodeResponse\x12\x44\n\tListNodes\x12\x1a.kvdir.v1.ListNodesRequest\x1a\x1b.kvdir.v1.ListNodesResponse\x12P\n\rClusterStatus\x12\x1e.kvdir.v1.ClusterStatusRequest\x1a\x1f.kvdir.v1.ClusterStatusResponse2=\n\x04\x45\x63ho\x12\x35\n\x04\x45\x63ho\x12\x15.kvdir.v1.EchoRequest\x1a\x16.kvdir.v1.EchoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1eproto/kvdir/v1/directory.proto\x12\x08kvdir.v1\"q\n\tNamespace\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_tokens\x18\x03 \x01(\r\x12\x0e\n\x06layout\x18\x04 \x01(\t\x12\x0f\n\x07tp_rank\x18\x05 \x01(\r\x12\x0f\n\x07tp_size\x18\x06 \x01(\r\"\xed\x01\n\x0ePublishRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12&\n\tnamespace\x18\x03 \x01(\x0b\x32\x13.kvdir.v1.Namespace\x12\x1c\n\x04tier\x18\x04 \x01(\x0e\x32\x0e.kvdir.v1.Tier\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x11\n\tblock_ids\x18\x06 \x03(\x06\x12\x11\n\taddresses\x18\x07 \x03(\x06\x12\x0f\n\x07lengths\x18\x08 \x03(\r\x12\r\n\x05rkeys\x18\t \x03(\r\x12\x13\n\x0bgenerations\x18\n \x03(\x04\"H\n\x0fPublishResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\r\x12\r\n\x05stale\x18\x02 \x01(\r\x12\x15\n\rapplied_index\x18\x03 \x01(\x04\"\xb9\x01\n\rRemoveRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12&\n\tnamespace\x18\x03 \x01(\x0b\x32\x13.kvdir.v1.Namespace\x12\x1c\n\x04tier\x18\x04 \x01(\x0e\x32\x0e.kvdir.v1.Tier\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\x12\x11\n\tblock_ids\x18\x06 \x03(\x06\x12\x13\n\x0bgenerations\x18\x07 \x03(\x04\"8\n\x0eRemoveResponse\x12\x0f\n\x07removed\x18\x01 \x01(\r\x12\x15\n\rapplied_index\x18\x02 \x01(\x04\"\xe0\x01\n\rLookupRequest\x12&\n\tnamespace\x18\x01 \x01(\x0b\x32\x13.kvdir.v1.Namespace\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x11\n\tblock_ids\x18\x03 \x03(\x06\x12\x15\n\rpacked_hashes\x18\x08 \x01(\x0c\x12\x12\n\nhash_width\x18\t \x01(\r\x12\x11\n\tmax_nodes\x18\x04 \x01(\r\x12\x14\n\x0c\x65xclude_node\x18\x05 \x01(\t\x12\x14\n\x0clinearizable\x18\x06 \x01(\x08\x12\x14\n\x0comit_records\x18\x07 \x01(\x08\"\xc4\x01\n\tNodeMatch\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x15\n\rprefix_blocks\x18\x02 \x01(\r\x12\x0c\n\x04host\x18\x03 \x01(\t\x12\x16\n\x0e\x61gent_endpoint\x18\x04 \x01(\t\x12\x12\n\ntransports\x18\x05 \x03(\t\x12\x11\n\taddresses\x18\x06 \x01(\x0c\x12\x0f\n\x07lengths\x18\x07 \x01(\x0c\x12\r\n\x05rkeys\x18\x08 \x01(\x0c\x12\x13\n\x0bgenerations\x18\t \x01(\x0c\x12\r\n\x05tiers\x18\n \x01(\x0c\"\x7f\n\x08ReadInfo\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.kvdir.v1.Role\x12\x15\n\rapplied_index\x18\x03 \x01(\x04\x12\x14\n\x0c\x63ommit_index\x18\x04 \x01(\x04\x12\x14\n\x0clinearizable\x18\x05 \x01(\x08\"X\n\x0eLookupResponse\x12$\n\x07matches\x18\x01 \x03(\x0b\x32\x13.kvdir.v1.NodeMatch\x12 \n\x04read\x18\x02 \x01(\x0b\x32\x12.kvdir.v1.ReadInfo\"T\n\x12LookupBatchRequest\x12(\n\x07lookups\x18\x01 \x03(\x0b\x32\x17.kvdir.v1.LookupRequest\x12\x14\n\x0clinearizable\x18\x02 \x01(\x08\"b\n\x13LookupBatchResponse\x12)\n\x07results\x18\x01 \x03(\x0b\x32\x18.kvdir.v1.LookupResponse\x12 \n\x04read\x18\x02 \x01(\x0b\x32\x12.kvdir.v1.ReadInfo\"\x87\x01\n\x13RegisterNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_endpoint\x18\x03 \x01(\t\x12\x12\n\ntransports\x18\x04 \x03(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x12\x10\n\x08lease_ms\x18\x06 \x01(\r\"_\n\x14RegisterNodeResponse\x12\x17\n\x0flease_expiry_ms\x18\x01 \x01(\x04\x12\x10\n\x08lease_ms\x18\x02 \x01(\r\x12\x1c\n\x14replaced_incarnation\x18\x03 \x01(\x08\"8\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\",\n\x11HeartbeatResponse\x12\x17\n\x0flease_expiry_ms\x18\x01 \x01(\x04\"t\n\x10\x43learNodeRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\x04\x12&\n\tnamespace\x18\x03 \x01(\x0b\x32\x13.kvdir.v1.Namespace\x12\x12\n\nderegister\x18\x04 \x01(\x08\"$\n\x11\x43learNodeResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04\"\x12\n\x10ListNodesRequest\"\x94\x01\n\x08NodeInfo\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0c\n\x04host\x18\x02 \x01(\t\x12\x16\n\x0e\x61gent_endpoint\x18\x03 \x01(\t\x12\x12\n\ntransports\x18\x04 \x03(\t\x12\x13\n\x0bincarnation\x18\x05 \x01(\x04\x12\x17\n\x0flease_expiry_ms\x18\x06 \x01(\x04\x12\x0f\n\x07\x65ntries\x18\x07 \x01(\x04\"X\n\x11ListNodesResponse\x12!\n\x05nodes\x18\x01 \x03(\x0b\x32\x12.kvdir.v1.NodeInfo\x12 \n\x04read\x18\x02 \x01(\x0b\x32\x12.kvdir.v1.ReadInfo\"\x16\n\x14\x43lusterStatusRequest\"l\n\x06Member\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x14\n\x0craft_address\x18\x02 \x01(\t\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\x11\n\tconnected\x18\x04 \x01(\x08\x12\x0f\n\x07is_self\x18\x05 \x01(\x08\"\xdf\x02\n\x15\x43lusterStatusResponse\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x1c\n\x04role\x18\x02 \x01(\x0e\x32\x0e.kvdir.v1.Role\x12\x11\n\tleader_id\x18\x03 \x01(\t\x12\x1b\n\x13leader_grpc_address\x18\x04 \x01(\t\x12\x0c\n\x04term\x18\x05 \x01(\x04\x12\x14\n\x0c\x63ommit_index\x18\x06 \x01(\x04\x12\x15\n\rapplied_index\x18\x07 \x01(\x04\x12!\n\x07members\x18\x08 \x03(\x0b\x32\x10.kvdir.v1.Member\x12\x0f\n\x07\x65ntries\x18\t \x01(\x04\x12\x0e\n\x06\x62locks\x18\n \x01(\x04\x12\r\n\x05nodes\x18\x0b \x01(\r\x12\x12\n\nnamespaces\x18\x0c \x01(\r\x12\x12\n\nhas_quorum\x18\r \x01(\x08\x12\x13\n\x0blog_entries\x18\x0e \x01(\x04\x12\x19\n\x11last_compaction_s\x18\x0f \x01(\x01\"6\n\x0b\x45\x63hoRequest\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12\x16\n\x0eresponse_bytes\x18\x02 \x01(\r\"\x1f\n\x0c\x45\x63hoResponse\x12\x0f\n\x07payload\x18\x01 \x01(\x0c*9\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\r\n\tTIER_HOST\x10\x02*T\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x11\n\rROLE_FOLLOWER\x10\x01\x12\x12\n\x0eROLE_CANDIDATE\x10\x02\x12\x0f\n\x0bROLE_LEADER\x10\x03\x32\x8a\x05\n\x0fPrefixDirectory\x12>\n\x07Publish\x12\x18.kvdir.v1.PublishRequest\x1a\x19.kvdir.v1.PublishResponse\x12;\n\x06Remove\x12\x17.kvdir.v1.RemoveRequest\x1a\x18.kvdir.v1.RemoveResponse\x12;\n\x06Lookup\x12\x17.kvdir.v1.LookupRequest\x1a\x18.kvdir.v1.LookupResponse\x12J\n\x0bLookupBatch\x12\x1c.kvdir.v1.LookupBatchRequest\x1a\x1d.kvdir.v1.LookupBatchResponse\x12M\n\x0cRegisterNode\x12\x1d.kvdir.v1.RegisterNodeRequest\x1a\x1e.kvdir.v1.RegisterNodeResponse\x12\x44\n\tHeartbeat\x12\x1a.kvdir.v1.HeartbeatRequest\x1a\x1b.kvdir.v1.HeartbeatResponse\x12\x44\n\tClearNode\x12\x1a.kvdir.v1.ClearNodeRequest\x1a\x1b.kvdir.v1.ClearNodeResponse\x12\x44\n\tListNodes\x12\x1a.kvdir.v1.ListNodesRequest\x1a\x1b.kvdir.v1.ListNodesResponse\x12P\n\rClusterStatus\x12\x1e.kvdir.v1.ClusterStatusRequest\x1a\x1f.kvdir.v1.ClusterStatusResponse2=\n\x04\x45\x63ho\x12\x35\n\x04\x45\x63ho\x12\x15.kvdir.v1.EchoRequest\x1a\x16.kvdir.v1.EchoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.kvdir.v1.directory_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=2840
-  _globals['_TIER']._serialized_end=2897
-  _globals['_ROLE']._serialized_start=2899
-  _globals['_ROLE']._serialized_end=2983
+  _globals['_TIER']._serialized_start=2883
+  _globals['_TIER']._serialized_end=2940
+  _globals['_ROLE']._serialized_start=2942
+  _globals['_ROLE']._serialized_end=3026
   _globals['_NAMESPACE']._serialized_start=44
   _globals['_NAMESPACE']._serialized_end=157
   _globals['_PUBLISHREQUEST']._serialized_start=160
@@ -46,47 +46,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REMOVERESPONSE']._serialized_start=661
   _globals['_REMOVERESPONSE']._serialized_end=717
   _globals['_LOOKUPREQUEST']._serialized_start=720
-  _globals['_LOOKUPREQUEST']._serialized_end=901
-  _globals['_NODEMATCH']._serialized_start=904
-  _globals['_NODEMATCH']._serialized_end=1100
-  _globals['_READINFO']._serialized_start=1102
-  _globals['_READINFO']._serialized_end=1229
-  _globals['_LOOKUPRESPONSE']._serialized_start=1231
-  _globals['_LOOKUPRESPONSE']._serialized_end=1319
-  _globals['_LOOKUPBATCHREQUEST']._serialized_start=1321
-  _globals['_LOOKUPBATCHREQUEST']._serialized_end=1405
-  _globals['_LOOKUPBATCHRESPONSE']._serialized_start=1407
-  _globals['_LOOKUPBATCHRESPONSE']._serialized_end=1505
-  _globals['_REGISTERNODEREQUEST']._serialized_start=1508
-  _globals['_REGISTERNODEREQUEST']._serialized_end=1643
-  _globals['_REGISTERNODERESPONSE']._serialized_start=1645
-  _globals['_REGISTERNODERESPONSE']._serialized_end=1740
-  _globals['_HEARTBEATREQUEST']._serialized_start=1742
-  _globals['_HEARTBEATREQUEST']._serialized_end=1798
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1800
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1844
-  _globals['_CLEARNODEREQUEST']._serialized_start=1846
-  _globals['_CLEARNODEREQUEST']._serialized_end=1962
-  _globals['_CLEARNODERESPONSE']._serialized_start=1964
-  _globals['_CLEARNODERESPONSE']._serialized_end=2000
-  _globals['_LISTNODESREQUEST']._serialized_start=2002
-  _globals['_LISTNODESREQUEST']._serialized_end=2020
-  _globals['_NODEINFO']._serialized_start=2023
-  _globals['_NODEINFO']._serialized_end=2171
-  _globals['_LISTNODESRESPONSE']._serialized_start=2173
-  _globals['_LISTNODESRESPONSE']._serialized_end=2261
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=2263
-  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=2285
-  _globals['_MEMBER']._serialized_start=2287
-  _globals['_MEMBER']._serialized_end=2395
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=2398
-  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2749
-  _globals['_ECHOREQUEST']._serialized_start=2751
-  _globals['_ECHOREQUEST']._serialized_end=2805
-  _globals['_ECHORESPONSE']._serialized_start=2807
-  _globals['_ECHORESPONSE']._serialized_end=2838
-  _globals['_PREFIXDIRECTORY']._serialized_start=2986
-  _globals['_PREFIXDIRECTORY']._serialized_end=3636
-  _globals['_ECHO']._serialized_start=3638
-  _globals['_ECHO']._serialized_end=3699
+  _globals['_LOOKUPREQUEST']._serialized_end=944
+  _globals['_NODEMATCH']._serialized_start=947
+  _globals['_NODEMATCH']._serialized_end=1143
+  _globals['_READINFO']._serialized_start=1145
+  _globals['_READINFO']._serialized_end=1272
+  _globals['_LOOKUPRESPONSE']._serialized_start=1274
+  _globals['_LOOKUPRESPONSE']._serialized_end=1362
+  _globals['_LOOKUPBATCHREQUEST']._serialized_start=1364
+  _globals['_LOOKUPBATCHREQUEST']._serialized_end=1448
+  _globals['_LOOKUPBATCHRESPONSE']._serialized_start=1450
+  _globals['_LOOKUPBATCHRESPONSE']._serialized_end=1548
+  _globals['_REGISTERNODEREQUEST']._serialized_start=1551
+  _globals['_REGISTERNODEREQUEST']._serialized_end=1686
+  _globals['_REGISTERNODERESPONSE']._serialized_start=1688
+  _globals['_REGISTERNODERESPONSE']._serialized_end=1783
+  _globals['_HEARTBEATREQUEST']._serialized_start=1785
+  _globals['_HEARTBEATREQUEST']._serialized_end=1841
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1843
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1887
+  _globals['_CLEARNODEREQUEST']._serialized_start=1889
+  _globals['_CLEARNODEREQUEST']._serialized_end=2005
+  _globals['_CLEARNODERESPONSE']._serialized_start=2007
+  _globals['_CLEARNODERESPONSE']._serialized_end=2043
+  _globals['_LISTNODESREQUEST']._serialized_start=2045
+  _globals['_LISTNODESREQUEST']._serialized_end=2063
+  _globals['_NODEINFO']._serialized_start=2066
+  _globals['_NODEINFO']._serialized_end=2214
+  _globals['_LISTNODESRESPONSE']._serialized_start=2216
+  _globals['_LISTNODESRESPONSE']._serialized_end=2304
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_start=2306
+  _globals['_CLUSTERSTATUSREQUEST']._serialized_end=2328
+  _globals['_MEMBER']._serialized_start=2330
+  _globals['_MEMBER']._serialized_end=2438
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_start=2441
+  _globals['_CLUSTERSTATUSRESPONSE']._serialized_end=2792
+  _globals['_ECHOREQUEST']._serialized_start=2794
+  _globals['_ECHOREQUEST']._serialized_end=2848
+  _globals['_ECHORESPONSE']._serialized_start=2850
+  _globals['_ECHORESPONSE']._serialized_end=2881
+  _globals['_PREFIXDIRECTORY']._serialized_start=3029
+  _globals['_PREFIXDIRECTORY']._serialized_end=3679
+  _globals['_ECHO']._serialized_start=3681
+  _globals['_ECHO']._serialized_end=3742
 # @@protoc_insertion_point(module_scope)

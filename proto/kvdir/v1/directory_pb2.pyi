@@ -281,10 +281,17 @@ class LookupRequest(_message.Message):
     NAMESPACE_FIELD_NUMBER: _builtins.int
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    PACKED_HASHES_FIELD_NUMBER: _builtins.int
+    HASH_WIDTH_FIELD_NUMBER: _builtins.int
     MAX_NODES_FIELD_NUMBER: _builtins.int
     EXCLUDE_NODE_FIELD_NUMBER: _builtins.int
     LINEARIZABLE_FIELD_NUMBER: _builtins.int
     OMIT_RECORDS_FIELD_NUMBER: _builtins.int
+    packed_hashes: _builtins.bytes
+    """The cheapest form: the hashes concatenated, `hash_width` bytes each (no
+    per-block object on either side; 8-byte hashes big-endian like block_ids).
+    """
+    hash_width: _builtins.int
     max_nodes: _builtins.int
     """0 = server default"""
     exclude_node: _builtins.str
@@ -297,7 +304,7 @@ class LookupRequest(_message.Message):
     def namespace(self) -> Global___Namespace: ...
     @_builtins.property
     def block_hashes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
-        """the prompt's block chain, in order"""
+        """The prompt's block chain, in order, in exactly one of three forms."""
 
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -307,6 +314,8 @@ class LookupRequest(_message.Message):
         namespace: Global___Namespace | None = ...,
         block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
+        packed_hashes: _builtins.bytes = ...,
+        hash_width: _builtins.int = ...,
         max_nodes: _builtins.int = ...,
         exclude_node: _builtins.str = ...,
         linearizable: _builtins.bool = ...,
@@ -314,7 +323,7 @@ class LookupRequest(_message.Message):
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_ids", b"block_ids", "exclude_node", b"exclude_node", "linearizable", b"linearizable", "max_nodes", b"max_nodes", "namespace", b"namespace", "omit_records", b"omit_records"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_ids", b"block_ids", "exclude_node", b"exclude_node", "hash_width", b"hash_width", "linearizable", b"linearizable", "max_nodes", b"max_nodes", "namespace", b"namespace", "omit_records", b"omit_records", "packed_hashes", b"packed_hashes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
