@@ -93,6 +93,61 @@ def outcome_of(error: int) -> tuple[Outcome, str]:
     return Outcome.UNKNOWN, _UNKNOWN.get(error, f"raft error {error}")
 
 
+RaftEntry = tuple[bytes, int, int]
+"""(command, index, term) as pysyncobj keeps log entries."""
+
+
+def trim_append_entries(
+    message: dict[str, Any], entry_at: Callable[[int], RaftEntry | None], last_index: int
+) -> dict[str, Any]:
+    """Drop the part of an AppendEntries this follower already holds.
+
+    pysyncobj's follower truncates its log after `prevLogIdx` whenever it is
+    longer, conflict or not. A leader rewinds a follower's next index to the
+    follower's last *reported* position while later appends are still in
+    flight, so overlapping appends are routine, and the truncation can cut
+    entries the follower already acknowledged (and applied) - entries the
+    leader may have counted toward a commit. Raft only truncates on a
+    conflict. This rewrites an append whose entries all match ours, and
+    whose start is behind our log, to start at our last entry, so pysyncobj
+    never truncates a matching tail. Anything that looks like a conflict is
+    passed through unchanged for the standard handling.
+
+    Our entries beyond the message are kept only if they carry the message's
+    term (terms never decrease along a log), i.e. they came from this same
+    leader and are therefore in its log.
+    """
+    prev = message.get("prevLogIdx")
+    entries: list[RaftEntry] = message.get("entries") or []
+    if prev is None or last_index <= prev:
+        return message
+    mine = entry_at(prev)
+    if mine is None or mine[2] != message.get("prevLogTerm"):
+        return message
+    for _, idx, term in entries:
+        if idx > last_index:
+            break
+        have = entry_at(idx)
+        if have is None or have[2] != term:
+            return message
+    end = entries[-1][1] if entries else prev
+    if end < last_index:
+        first_extra, last = entry_at(end + 1), entry_at(last_index)
+        if (
+            first_extra is None
+            or last is None
+            or not (first_extra[2] == last[2] == message.get("term"))
+        ):
+            return message
+    last_entry = entry_at(last_index)
+    if last_entry is None:
+        return message
+    out = dict(message)
+    out["prevLogIdx"], out["prevLogTerm"] = last_index, last_entry[2]
+    out["entries"] = [e for e in entries if e[1] > last_index]
+    return out
+
+
 @dataclass(slots=True)
 class _Round:
     """One barrier serving every linearizable read that joined it."""
@@ -145,6 +200,26 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
             onStateChanged=on_state_changed,
         )
         super().__init__(self_address, peer_addresses, conf)
+
+    # ------------------------------------------------------------ raft safety
+
+    def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:  # noqa: N802
+        """Every message from a peer; appends are trimmed first (`trim_append_entries`)."""
+        if (
+            isinstance(message, dict)
+            and message.get("type") == "append_entries"
+            and "prevLogIdx" in message
+            and "transmission" not in message
+        ):
+            message = trim_append_entries(message, self._entry_at, self._last_log_index())
+        super()._SyncObj__onMessageReceived(node, message)
+
+    def _entry_at(self, idx: int) -> RaftEntry | None:
+        found = self._SyncObj__getEntries(idx, 1)
+        return (found[0][0], found[0][1], found[0][2]) if found else None
+
+    def _last_log_index(self) -> int:
+        return int(self._SyncObj__getCurrentLogIndex())
 
     # ------------------------------------------------------------ the one entry
 
