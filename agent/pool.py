@@ -242,7 +242,7 @@ class KvPool:
 def _attach(path: str, geo: Geometry, namespace_key: str) -> SharedMemory | None:
     """Map an existing pool of the same shape and namespace, or None."""
     try:
-        if os.path.getsize(path) != geo.size:
+        if os.path.getsize(path) != _round_up(geo.size, PAGE_BYTES):  # created page-rounded
             return None
     except OSError:
         return None

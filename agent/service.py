@@ -211,7 +211,8 @@ class EngineService(apb_grpc.EngineServicer):
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "notification columns differ")
         if request.dropped:
             self.core.metrics.engine_dropped.inc(request.dropped)
-        self._stored(state, request)
+        # Removals first: stores are checked against the slot headers (the truth),
+        # so one batch with "evicted g1" and "stored again under g2" must end stored.
         if request.removed_hashes:
             with state.lock:
                 for h, s in zip(request.removed_hashes, request.removed_slots, strict=True):
@@ -223,6 +224,7 @@ class EngineService(apb_grpc.EngineServicer):
                 list(request.removed_hashes),
                 list(request.removed_generations),
             )
+        self._stored(state, request)
         return apb.NotifyResponse()
 
     def _stored(self, state: PoolState, request: apb.NotifyRequest) -> None:
