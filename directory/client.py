@@ -33,9 +33,9 @@ import grpc
 from proto.kvdir.v1 import directory_pb2 as pb
 from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
 
-ATTEMPTS_MAX = 16
+ATTEMPTS_MAX = 64
 BACKOFF_S_MIN = 0.01
-BACKOFF_S_MAX = 0.2
+BACKOFF_S_MAX = 0.05  # an election takes ~0.2-0.3 s: poll it finely
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 _UNKNOWN = {grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
 _MESSAGE_BYTES_MAX = 64 * 1024 * 1024
