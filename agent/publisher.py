@@ -145,10 +145,24 @@ class Publisher:
         )
 
     def removed(
-        self, ns: pb.Namespace, tier: int, hashes: Sequence[bytes], generations: Sequence[int]
+        self,
+        ns: pb.Namespace,
+        tier: int,
+        hashes: Sequence[bytes],
+        generations: Sequence[int],
+        addresses: Sequence[int],
     ) -> None:
-        """Announce blocks no longer held (never blocks; may drop under overload)."""
-        self._enqueue(ns, tier, hashes, (_Change(False, 0, 0, 0, g) for g in generations))
+        """Announce blocks no longer held in these slots (never blocks; may drop).
+
+        The directory removes a record only if it is still this slot's, at this
+        generation or older: a block already re-stored elsewhere stays.
+        """
+        self._enqueue(
+            ns,
+            tier,
+            hashes,
+            (_Change(False, a, 0, 0, g) for g, a in zip(generations, addresses, strict=True)),
+        )
 
     @property
     def queue_depth(self) -> int:
@@ -284,7 +298,15 @@ class Publisher:
                     )
                     self.published += len(part)
                 else:
-                    self.client.remove(node, inc, ns, tier, hashes, [c.generation for _, c in part])
+                    self.client.remove(
+                        node,
+                        inc,
+                        ns,
+                        tier,
+                        hashes,
+                        [c.generation for _, c in part],
+                        [c.address for _, c in part],
+                    )
                     self.removed_count += len(part)
                 # Sent: drop these from the batch so a failure later requeues only the rest.
                 for h in hashes:

@@ -189,6 +189,7 @@ class EngineService(apb_grpc.EngineServicer):
                 state.tier,
                 [h.block_hash for _, h in gone],
                 [h.generation for _, h in gone],
+                [state.pool.slot_address(s) for s, _ in gone],
             )
         return apb.FreeResponse(freed=len(freed))
 
@@ -218,11 +219,16 @@ class EngineService(apb_grpc.EngineServicer):
                 for h, s in zip(request.removed_hashes, request.removed_slots, strict=True):
                     if state.index.get(h) == s:
                         del state.index[h]
+            pool = state.pool
+            slots = list(request.removed_slots)
+            if any(not 0 <= s < pool.geometry.slots for s in slots):
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a removed slot is out of range")
             self.core.publisher.removed(
                 state.namespace,
                 state.tier,
                 list(request.removed_hashes),
                 list(request.removed_generations),
+                [pool.slot_address(s) for s in slots],
             )
         self._stored(state, request)
         return apb.NotifyResponse()

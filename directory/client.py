@@ -255,6 +255,7 @@ class DirectoryClient:
         tier: int,
         hashes: Sequence[bytes],
         generations: Sequence[int] = (),
+        addresses: Sequence[int] = (),
     ) -> pb.RemoveResponse:
         req = pb.RemoveRequest(
             node_id=node_id,
@@ -263,6 +264,7 @@ class DirectoryClient:
             tier=cast("pb.Tier.ValueType", tier),
             block_hashes=hashes,
             generations=generations,
+            addresses=addresses,
         )
         resp: pb.RemoveResponse = self.call("Remove", req)
         return resp

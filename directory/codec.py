@@ -186,6 +186,8 @@ def encode(cmd: Command) -> bytes:
             w.hashes(cmd.hashes)
             w.u32(len(cmd.generations))
             w.column("Q", cmd.generations)
+            w.u32(len(cmd.addresses))
+            w.column("Q", cmd.addresses)
         case ClearNode():
             w = _Writer(_T_CLEAR)
             w.text(cmd.node_id)
@@ -244,9 +246,11 @@ def _remove(r: _Reader) -> Command:
     node_id, incarnation, namespace, tier = r.text(), r.u64(), r.text(), r.u8()
     hashes = r.hashes()
     generations = r.column("Q", r.u32())
-    if generations and len(generations) != len(hashes):
-        raise CodecError("generations do not match hashes")
-    return Remove(node_id, incarnation, namespace, tier, hashes, generations)
+    addresses = r.column("Q", r.u32())
+    for guard in (generations, addresses):
+        if guard and len(guard) != len(hashes):
+            raise CodecError("remove guards do not match hashes")
+    return Remove(node_id, incarnation, namespace, tier, hashes, generations, addresses)
 
 
 def _clear(r: _Reader) -> Command:

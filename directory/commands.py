@@ -57,7 +57,12 @@ class Publish:
 
 @dataclass(frozen=True, slots=True)
 class Remove:
-    """Drop a node's records; `generations` empty means any generation."""
+    """Drop a node's records.
+
+    Guards (each column empty = no guard): a record goes only if its generation
+    is <= `generations[i]` and it is the slot at `addresses[i]`, so a remove that
+    overtakes a re-publish of the block (same slot or another) does not undo it.
+    """
 
     node_id: str
     incarnation: int
@@ -65,6 +70,7 @@ class Remove:
     tier: int
     hashes: list[bytes]
     generations: list[int] = field(default_factory=list)
+    addresses: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

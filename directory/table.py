@@ -285,7 +285,10 @@ class Table:
                 count += 1
             gen = cmd.generations[i]
             if s != NIL:
-                if gen < cgen[s]:
+                # Generations order the publishes of one slot; a record for another
+                # slot (the block moved) is simply newer, since one node's changes
+                # reach the log in order.
+                if gen < cgen[s] and c.addr[s] == cmd.addresses[i]:
                     stale += 1
                     continue
                 c.addr[s], c.length[s], c.rkey[s], cgen[s] = (
@@ -401,8 +404,10 @@ class Table:
         node = self._check_node(cmd.node_id, cmd.incarnation)
         if isinstance(node, Rejected):
             return node
-        if cmd.generations and len(cmd.generations) != len(cmd.hashes):
-            return Rejected(Reject.BAD_BATCH, "remove generations differ in length from hashes")
+        n = len(cmd.hashes)
+        gens, addrs = cmd.generations, cmd.addresses
+        if (gens and len(gens) != n) or (addrs and len(addrs) != n):
+            return Rejected(Reject.BAD_BATCH, "remove guards differ in length from hashes")
         ns = self.ns_ids.get(cmd.namespace)
         if ns is None:
             return Removed(0)
@@ -414,7 +419,7 @@ class Table:
             s = blocks.get(h, NIL)
             while s != NIL and not (c.node[s] == nidx and c.tier[s] == cmd.tier):
                 s = c.bnext[s]
-            if s == NIL or (cmd.generations and c.gen[s] > cmd.generations[i]):
+            if s == NIL or (gens and c.gen[s] > gens[i]) or (addrs and c.addr[s] != addrs[i]):
                 continue
             self._unlink_block(blocks, h, s)
             self._release(s)

@@ -129,10 +129,11 @@ def remove(req: pb.RemoveRequest, limits: RequestLimits) -> Remove:
     hs = hashes(req.block_hashes, req.block_ids, limits.batch_entries_max, "remove")
     if not hs:
         raise BadRequest("bad-batch", "remove has no blocks")
-    gens = list(req.generations)
-    if gens and len(gens) != len(hs):
-        raise BadRequest("bad-batch", f"generations has {len(gens)} values for {len(hs)} blocks")
-    return Remove(node_id(req.node_id), req.incarnation, ns, tier(req.tier), hs, gens)
+    gens, addrs = list(req.generations), list(req.addresses)
+    for name, guard in (("generations", gens), ("addresses", addrs)):
+        if guard and len(guard) != len(hs):
+            raise BadRequest("bad-batch", f"{name} has {len(guard)} values for {len(hs)} blocks")
+    return Remove(node_id(req.node_id), req.incarnation, ns, tier(req.tier), hs, gens, addrs)
 
 
 def _packed_chain(req: pb.LookupRequest, limit: int) -> Chain:

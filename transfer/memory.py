@@ -105,7 +105,7 @@ class Registry:
         address = buffer_address(mv)
         with self._lock:
             for region, _ in self._regions.values():
-                if region.address == address and region.length == len(mv):
+                if region.address == address and region.length == mv.nbytes:
                     return region
             if rkey is None:
                 rkey = 0
@@ -113,7 +113,7 @@ class Registry:
                     rkey = self._rng.getrandbits(32)
             elif rkey in self._regions:
                 raise ValueError(f"rkey {rkey:#x} is already registered")
-            region = Region(address, len(mv), rkey)
+            region = Region(address, mv.nbytes, rkey)
             self._regions[rkey] = (region, mv.cast("B") if mv.format != "B" else mv)
             return region
 

@@ -124,7 +124,7 @@ class ShmTransport(Transport):
         for mem in self.memories:
             view = mem.view()
             try:
-                if buffer_address(view) == address and len(view) == len(memory):
+                if buffer_address(view) == address and view.nbytes == memory.nbytes:
                     region = self.registry.register(memory)
                     if all(r != region for r, _ in self._regions):
                         self._regions.append((region, mem))

@@ -155,7 +155,10 @@ class PublishRequest(_message.Message):
 
     @_builtins.property
     def generations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """bumped by the holder on slot reuse"""
+        """Bumped by the holder on slot reuse. A publish older than the record the
+        directory holds for the same slot (address) is ignored as stale; one for
+        another slot replaces it (the block moved).
+        """
 
     def __init__(
         self,
@@ -218,6 +221,7 @@ class RemoveRequest(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     GENERATIONS_FIELD_NUMBER: _builtins.int
+    ADDRESSES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     incarnation: _builtins.int
     tier: Global___Tier.ValueType
@@ -229,10 +233,14 @@ class RemoveRequest(_message.Message):
     def block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
     def generations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """Remove only records whose generation is <= this (empty: any generation),
-        so a remove that overtakes a re-publish of the slot does not undo it.
+        """Guards, each parallel to the hashes or empty (no guard): remove a record
+        only if its generation is <= generations[i] and its address is
+        addresses[i], so a remove that overtakes a re-publish of the block (in the
+        same slot or another) does not undo it.
         """
 
+    @_builtins.property
+    def addresses(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -243,10 +251,11 @@ class RemoveRequest(_message.Message):
         block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         generations: _abc.Iterable[_builtins.int] | None = ...,
+        addresses: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_ids", b"block_ids", "generations", b"generations", "incarnation", b"incarnation", "namespace", b"namespace", "node_id", b"node_id", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["addresses", b"addresses", "block_hashes", b"block_hashes", "block_ids", b"block_ids", "generations", b"generations", "incarnation", b"incarnation", "namespace", b"namespace", "node_id", b"node_id", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
