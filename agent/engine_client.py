@@ -86,8 +86,8 @@ class EngineClient:
 
     # ------------------------------------------------------------- helpers
 
-    def _pool(self, ns: pb.Namespace) -> _AttachedPool:
-        p = self.pools.get(_key(ns))
+    def _pool(self, ns: pb.Namespace, key: bytes | None = None) -> _AttachedPool:
+        p = self.pools.get(_key(ns) if key is None else key)
         if p is None:
             raise EngineError(f"the agent has no pool for namespace {ns.model!r}")
         return p
@@ -138,7 +138,7 @@ class EngineClient:
         agent's resync publishes from headers, so nothing is lost).
         """
         key = _key(ns)
-        pool = self._pool(ns).pool
+        pool = self._pool(ns, key).pool
         if len(hashes) != len(slots):
             raise EngineError(f"{len(hashes)} hashes for {len(slots)} slots")
         item = (key, True, tuple(hashes), tuple(slots), pool.generations(slots))

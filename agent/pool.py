@@ -44,6 +44,9 @@ STORED = 2
 _SUPER = struct.Struct("<8sIQIQQI")  # magic, version, slot_bytes, slots, hdr off, data off, ns len
 _HDR = struct.Struct("<QBB6x32s16x")
 _GEN = struct.Struct("<Q")
+_GEN_STATE = struct.Struct("<QB")
+_STATE = struct.Struct("<B")
+_HASH = struct.Struct("<B6x32s")
 assert _HDR.size == HEADER_BYTES
 
 
@@ -220,10 +223,13 @@ class KvPool:
         self.check_slot(slot)
         if not 0 < len(block_hash) <= HASH_BYTES_MAX:
             raise PoolError(f"block hash of {len(block_hash)} bytes")
-        h = self.header(slot)
-        if h.state == FREE or h.generation != generation:
+        off = self.header_offset(slot)
+        gen, state = _GEN_STATE.unpack_from(self.view, off)
+        if state == FREE or gen != generation:
             return False
-        self._write_header(slot, generation, STORED, block_hash)
+        # Hash first, state last: a reader that sees STORED sees the hash with it.
+        _HASH.pack_into(self.view, off + 9, len(block_hash), block_hash)
+        _STATE.pack_into(self.view, off + 8, STORED)
         return True
 
     def evict(self, slot: int) -> int:

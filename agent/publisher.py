@@ -95,6 +95,7 @@ class Publisher:
         self.resyncs = 0
         self.connected = False
         self.last_publish_s = 0.0
+        self._last_send = 0.0
 
     # ------------------------------------------------------------- enqueue
 
@@ -230,10 +231,14 @@ class Publisher:
         with self._lock:
             if not self._pending and not self._stop.is_set():
                 self._wake.wait(timeout=1.0)
-            if self._pending and len(self._pending) < self.limits.batch_entries_max:
-                # Let a burst gather for one window before sending.
+            busy = time.monotonic() - self._last_send < self.limits.batch_window_s
+            if busy and self._pending and len(self._pending) < self.limits.batch_entries_max:
+                # Sent a moment ago: let this burst gather for one window. After a
+                # quiet spell the first change goes out at once (visibility latency).
                 self._wake.wait(timeout=self.limits.batch_window_s)
             batch, self._pending = self._pending, {}
+            if batch:
+                self._last_send = time.monotonic()
             return batch
 
     def _requeue(self, batch: dict[_Key, _Change]) -> None:

@@ -306,7 +306,8 @@ def cmd_lookup(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------- parser
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
+    """The whole command tree; benchmark modules (heavy imports) only when asked."""
     p = argparse.ArgumentParser(prog="kvdir", description="Cluster-wide KV-cache pool.")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -397,14 +398,20 @@ def build_parser() -> argparse.ArgumentParser:
     from kvdir import demo
 
     demo.add_parser(sub)
-    from kvdir.bench import add_parsers
+    if with_benchmarks:
+        from kvdir.bench import add_parsers
 
-    add_parsers(sub)
+        add_parsers(sub)
+    else:
+        sub.add_parser("bench", help="benchmarks (results go under bench/results/)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Daemons never import the benchmark modules: a faster start, and nothing a
+    # benchmark imports can keep `kvdir directory serve` from starting.
+    parser = build_parser(with_benchmarks=bool(argv) and argv[0] == "bench")
     args = parser.parse_args(argv)
     try:
         rc: int = args.func(args)

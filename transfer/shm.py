@@ -29,7 +29,7 @@ from transfer.base import (
     check_destination,
     coalesce,
 )
-from transfer.memory import Registry, SharedMemory, buffer_address
+from transfer.memory import Registry, SharedMemory, buffer_address, copy
 
 
 def host_identity() -> str:
@@ -97,7 +97,7 @@ class ShmChannel(Channel):
             for r in merged:
                 m = self._maps[r.rkey]
                 off = r.remote_address - m.region.address
-                dst[r.dst_offset : r.dst_offset + r.length] = m.view[off : off + r.length]
+                copy(dst[r.dst_offset : r.dst_offset + r.length], m.view[off : off + r.length])
                 moved += r.length
         return moved
 

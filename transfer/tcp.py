@@ -57,7 +57,6 @@ SEGMENTS_PER_REQUEST_MAX = 1024
 REQUEST_BYTES_MAX = 64 << 20
 REQUESTS_INFLIGHT_MAX = 8
 CONNECTIONS_MAX = 256
-SOCKET_BUFFER_BYTES = 4 << 20
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -77,9 +76,9 @@ def _recv_into(sock: socket.socket, dst: memoryview) -> None:
 
 
 def _tune(sock: socket.socket) -> None:
+    # Socket buffers are left to the kernel's autotuning: a fixed size turns it
+    # off, and its ceiling is usually larger than anything we would pick.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER_BYTES)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
 class TcpServer:

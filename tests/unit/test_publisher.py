@@ -134,8 +134,10 @@ class FakeDirectory:
         tier: int,
         hashes: Sequence[bytes],
         generations: Sequence[int] = (),
+        addresses: Sequence[int] = (),
     ) -> pb.RemoveResponse:
         assert node_id == NODE.node_id
+        assert not addresses or len(addresses) == len(hashes)
         self._record(Call("remove", incarnation, ns.model, tuple(hashes), tuple(generations)))
         with self.lock:
             for bh, g in zip(hashes, generations, strict=True):
