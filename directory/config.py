@@ -122,6 +122,12 @@ def _check(cfg: DirectoryConfig) -> None:
         )
     if t.connection_timeout_s < t.election_max_s:
         raise ConfigError("[raft] connection_timeout_s must be >= election_max_s")
+    if not (0 < t.tick_period_s <= t.append_entries_period_s and t.keepalive_s > 0):
+        raise ConfigError(
+            "[raft] needs 0 < tick_period_s <= append_entries_period_s and keepalive_s > 0"
+        )
+    if t.keepalive_s >= t.connection_timeout_s:
+        raise ConfigError("[raft] keepalive_s must be < connection_timeout_s")
     if t.leader_fallback_s <= t.append_entries_period_s:
         raise ConfigError("[raft] leader_fallback_s must be > append_entries_period_s")
     for name in ("compaction_min_entries", "commands_queue_max"):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from typing import Any
 
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, replicated
 from pysyncobj.config import SERIALIZER_STATE
+from pysyncobj.monotonic import monotonic as raft_clock  # pysyncobj's own clock
 from pysyncobj.node import TCPNode
 
 from directory import codec, snapshot
@@ -52,6 +54,15 @@ class RaftTuning:
     connection_timeout_s: float = 1.0
     leader_fallback_s: float = 1.0
     """A leader cut off from the majority steps down after this long."""
+    tick_period_s: float = 0.01
+    """How often the Raft thread wakes when no message arrives. pysyncobj's 50 ms
+    quantised election timeouts so coarsely that both survivors of a leader
+    kill often campaigned in the same tick and split the vote."""
+    keepalive_s: float = 0.25
+    """Every member pings every other this often (see `_onTick`)."""
+    startup_grace_s: float = 1.0
+    """A (re)starting replica waits this long for a leader before campaigning,
+    so rejoining the cluster does not depose a healthy leader (no pre-vote)."""
     compaction_min_entries: int = 20_000
     compaction_min_time_s: float = 600.0
     commands_queue_max: int = 20_000
@@ -92,6 +103,9 @@ def outcome_of(error: int) -> tuple[Outcome, str]:
         return Outcome.NOT_APPLIED, _NOT_APPLIED[error]
     return Outcome.UNKNOWN, _UNKNOWN.get(error, f"raft error {error}")
 
+
+_KEEPALIVE = {"type": "kvdir_keepalive"}
+_FOLLOWER = 0  # pysyncobj's _RAFT_STATE.FOLLOWER
 
 RaftEntry = tuple[bytes, int, int]
 """(command, index, term) as pysyncobj keeps log entries."""
@@ -186,6 +200,7 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
             raftMaxTimeout=tuning.election_max_s,
             connectionTimeout=tuning.connection_timeout_s,
             connectionRetryTime=tuning.election_min_s,  # redial idle follower links at once
+            autoTickPeriod=tuning.tick_period_s,
             leaderFallbackTimeout=tuning.leader_fallback_s,
             journalFile=os.path.join(data_dir, "journal.bin"),
             fullDumpFile=self.dump_path,
@@ -199,12 +214,51 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
             commandsQueueSize=tuning.commands_queue_max,
             onStateChanged=on_state_changed,
         )
+        self._keepalive_s = tuning.keepalive_s
+        self._leader_loss_spread_s = tuning.election_max_s - tuning.election_min_s
+        self._next_keepalive = 0.0
         super().__init__(self_address, peer_addresses, conf)
+        self._SyncObj__raftElectionDeadline = raft_clock() + tuning.startup_grace_s
 
     # ------------------------------------------------------------ raft safety
 
+    def _onTick(self, timeToWait: float = 0.0) -> None:  # noqa: N802, N803 (pysyncobj's name)
+        """One Raft tick, then keepalives to every other member.
+
+        Followers never talk to each other, and pysyncobj drops a link that has
+        been silent for `connection_timeout_s` the moment something is sent on
+        it: that first message is a vote request when the leader dies, so the
+        survivors could not campaign until they had re-dialled each other.
+        Pinging keeps every link warm. Runs on the Raft thread (the transport
+        is not thread-safe).
+        """
+        super()._onTick(timeToWait)
+        now = time.monotonic()
+        if now >= self._next_keepalive:
+            self._next_keepalive = now + self._keepalive_s
+            transport = self._SyncObj__transport
+            for node in list(self.otherNodes):
+                transport.send(node, _KEEPALIVE)
+
+    def _SyncObj__onNodeDisconnected(self, node: Any) -> None:  # noqa: N802
+        """A lost link to the leader starts the election early (within a random spread).
+
+        When a leader process dies its sockets close at once, so its followers
+        know before any heartbeat is missed. Campaigning after a random delay of
+        up to one election-timeout spread (instead of a full timeout) halves the
+        write gap of a leader crash; the randomness keeps the two survivors from
+        splitting the vote. A partition closes no socket and still waits for the
+        normal timeout. Runs on the Raft thread.
+        """
+        super()._SyncObj__onNodeDisconnected(node)
+        if node == self._SyncObj__raftLeader and self._SyncObj__raftState == _FOLLOWER:
+            soon = raft_clock() + random.uniform(0.0, self._leader_loss_spread_s)
+            self._SyncObj__raftElectionDeadline = min(self._SyncObj__raftElectionDeadline, soon)
+
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:  # noqa: N802
         """Every message from a peer; appends are trimmed first (`trim_append_entries`)."""
+        if isinstance(message, dict) and message.get("type") == _KEEPALIVE["type"]:
+            return
         if (
             isinstance(message, dict)
             and message.get("type") == "append_entries"
