@@ -98,6 +98,26 @@ def records(match: pb.NodeMatch) -> HolderRecords:
     )
 
 
+def lookup_request(
+    ns: pb.Namespace,
+    chain: Sequence[bytes],
+    max_nodes: int = 0,
+    exclude_node: str = "",
+    omit_records: bool = False,
+) -> pb.LookupRequest:
+    """A LookupRequest in the cheapest wire form (packed when all hashes share a width)."""
+    req = pb.LookupRequest(
+        namespace=ns, max_nodes=max_nodes, exclude_node=exclude_node, omit_records=omit_records
+    )
+    widths = set(map(len, chain))
+    if len(widths) == 1:
+        req.packed_hashes = b"".join(chain)
+        req.hash_width = widths.pop()
+    else:
+        req.block_hashes.extend(chain)
+    return req
+
+
 def namespace(
     model: str,
     block_tokens: int,
@@ -294,14 +314,8 @@ class DirectoryClient:
         address: str | None = None,
         omit_records: bool = False,
     ) -> pb.LookupResponse:
-        req = pb.LookupRequest(
-            namespace=ns,
-            block_hashes=chain,
-            max_nodes=max_nodes,
-            exclude_node=exclude_node,
-            linearizable=linearizable,
-            omit_records=omit_records,
-        )
+        req = lookup_request(ns, chain, max_nodes, exclude_node, omit_records)
+        req.linearizable = linearizable
         resp: pb.LookupResponse = self.call("Lookup", req, address=address)
         return resp
 
