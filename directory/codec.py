@@ -29,7 +29,7 @@ from directory.commands import (
 from directory.limits import HASH_BYTES_MAX
 
 MAGIC = b"K"
-VERSION = 1
+VERSION = 2  # 2: Remove carries an address guard
 
 _T_REGISTER = 1
 _T_HEARTBEAT = 2

@@ -32,7 +32,7 @@ from typing import Any, BinaryIO
 from directory.table import NIL, NodeState, Table
 
 MAGIC = b"KVDSNAP\x00"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: fingerprint, key-width and sole-holder columns
 _CHUNK = 1 << 16
 
 RaftEntry = tuple[bytes, int, int]
@@ -164,6 +164,11 @@ def read(path: str) -> tuple[Table, dict[str, Any], list[RaftEntry]]:
         table = Table()
         c = table.col
         cols = c.arrays()
+        if len(header.get("array_bytes", ())) != len(cols):
+            raise SnapshotError(
+                f"snapshot has {len(header.get('array_bytes', ()))} columns, "
+                f"this version expects {len(cols)}"
+            )
         for col, nbytes in zip(cols, header["array_bytes"], strict=True):
             col.extend(_read_array(f, col.typecode, nbytes))
         nslots = header["slots"]

@@ -43,7 +43,7 @@ from directory.commands import (
     Result,
     Tier,
 )
-from directory.limits import HOLDERS_PER_BLOCK_MAX
+from directory.limits import HASH_BYTES_MAX, HOLDERS_PER_BLOCK_MAX
 
 NIL = 0xFFFFFFFF
 """End of a slot chain, and the node index of a free slot."""
@@ -271,6 +271,9 @@ class Table:
             len(cmd.addresses) == len(cmd.lengths) == len(cmd.rkeys) == len(cmd.generations) == n
         ):
             return Rejected(Reject.BAD_BATCH, "publish columns differ in length")
+        widths = set(map(len, cmd.hashes))
+        if widths and not (min(widths) > 0 and max(widths) <= HASH_BYTES_MAX):
+            return Rejected(Reject.BAD_BATCH, f"hash widths must be 1..{HASH_BYTES_MAX}")
         ns = self._ns(cmd.namespace)
         blocks = self.blocks[ns]
         nidx = self.node_idx[cmd.node_id]
