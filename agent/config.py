@@ -6,7 +6,9 @@ directory = ["10.0.0.1:7101", "10.0.0.2:7101", "10.0.0.3:7101"]
 listen = "10.0.1.7:7301"                # kvdir.v1.Agent for peers
 engine_socket = "/run/kvdir/agent.sock" # kvdir.v1.Engine for the local engine
 metrics_address = "10.0.1.7:7302"
-transports = ["shm", "tcp"]
+transports = ["shm", "tcp"]              # or "rdma" (needs pyverbs; docs/rdma.md)
+rdma_device = "mlx5_0"                  # rdma only; default: first device with an active port
+rdma_gid_index = 3                      # rdma only; default: first RoCE v2 IPv4-mapped GID
 lease_ms = 10000
 pool_dir = "/dev/shm"
 
@@ -17,6 +19,15 @@ block_tokens = 16
 layout = "vllm-paged"
 slot_bytes = 2097152                    # KV bytes of one block
 slots = 4096
+
+[[engines]]                             # optional: a stock vLLM / SGLang's KV events
+name = "vllm0"                          # holders are "<node_id>/vllm0/dp<rank>"
+endpoint = "tcp://127.0.0.1:5557"       # the engine's --kv-events-config endpoint
+replay_endpoint = "tcp://127.0.0.1:5558"
+model = "meta-llama/Llama-3.1-8B"       # the namespace its blocks are indexed in
+block_tokens = 16
+dp_size = 1                             # one subscription per DP rank (ports + rank)
+hash_algo = "sha256"                    # for the hash self-test (docs/events.md)
 """
 
 from __future__ import annotations
@@ -32,6 +43,7 @@ from directory.limits import LEASE_MS_DEFAULT, LEASE_MS_MAX, LEASE_MS_MIN
 from proto.kvdir.v1 import directory_pb2 as pb
 
 POOL_BYTES_MAX = 1 << 40
+TRANSPORTS = ("tcp", "shm", "rdma")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +57,50 @@ class PoolConfig:
     tp_rank: int = 0
     tp_size: int = 0
     tier: str = "host"
+
+    def namespace(self) -> pb.Namespace:
+        return pb.Namespace(
+            model=self.model,
+            dtype=self.dtype,
+            block_tokens=self.block_tokens,
+            layout=self.layout,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+        )
+
+
+ENGINE_KINDS = ("vllm", "sglang")
+HASH_FORMATS = ("auto", "u64", "signed", "bytes")
+HASH_ALGOS = ("", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+DP_SIZE_MAX = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """A stock engine whose KV events the agent ingests (agent/events, docs/events.md)."""
+
+    name: str
+    endpoint: str
+    model: str
+    block_tokens: int
+    kind: str = "vllm"
+    replay_endpoint: str = ""
+    bind: bool = False
+    """True when the engine connects to us (its endpoint has no `*`): we bind."""
+    topic: str = ""
+    dp_size: int = 1
+    dp_rank_start: int = 0
+    hash_format: str = "auto"
+    hash_algo: str = ""
+    """The engine's --prefix-caching-hash-algo, for the startup self-test ("" = off)."""
+    hash_seed: str = ""
+    """The engine's PYTHONHASHSEED ("" = vLLM's default NONE_HASH seed)."""
+    kv_group: int = 0
+    dtype: str = ""
+    layout: str = ""
+    tp_rank: int = 0
+    tp_size: int = 0
+    replay_timeout_ms: int = 1000
 
     def namespace(self) -> pb.Namespace:
         return pb.Namespace(
@@ -74,6 +130,10 @@ class AgentConfig:
     publish_batch_window_ms: int = 5
     publish_pending_max: int = 65536
     resync_interval_s: float = 300.0
+    rdma_device: str = ""
+    rdma_port: int = 0
+    rdma_gid_index: int = -1
+    engines: tuple[EngineConfig, ...] = ()
 
     def pool_path(self, index: int) -> str:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.node_id)
@@ -91,6 +151,7 @@ def from_dict(raw: dict[str, Any]) -> AgentConfig:
             pools.append(PoolConfig(**p))
         except TypeError as e:
             raise ConfigError(f"[[pools]] #{i + 1}: {e}") from e
+    engines = _engines(raw.pop("engines", []))
     names = {f.name for f in dataclasses.fields(AgentConfig)}
     unknown = sorted(set(raw) - names)
     if unknown:
@@ -105,19 +166,57 @@ def from_dict(raw: dict[str, Any]) -> AgentConfig:
     if missing:
         raise ConfigError(f"missing required keys: {', '.join(missing)}")
     try:
-        cfg = AgentConfig(pools=tuple(pools), **raw)
+        cfg = AgentConfig(pools=tuple(pools), engines=engines, **raw)
     except TypeError as e:
         raise ConfigError(str(e)) from e
     _check(cfg)
     return cfg
 
 
+def _engines(raw: Any) -> tuple[EngineConfig, ...]:
+    if not isinstance(raw, list):
+        raise ConfigError("[[engines]] must be a list of tables")
+    out = []
+    for i, e in enumerate(raw):
+        try:
+            out.append(EngineConfig(**e))
+        except TypeError as err:
+            raise ConfigError(f"[[engines]] #{i + 1}: {err}") from err
+    return tuple(out)
+
+
+def _check_engine(i: int, e: EngineConfig) -> None:
+    where = f"[[engines]] #{i + 1}"
+    if not e.name or not all(c.isalnum() or c in "-_." for c in e.name):
+        raise ConfigError(f"{where}: name is required (letters, digits, - _ .)")
+    if not e.model or e.block_tokens <= 0:
+        raise ConfigError(f"{where}: model and block_tokens > 0 are required")
+    if not e.endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ConfigError(f"{where}: endpoint must be tcp://, ipc:// or inproc://")
+    if e.replay_endpoint and not e.replay_endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ConfigError(f"{where}: replay_endpoint must be tcp://, ipc:// or inproc://")
+    if e.kind not in ENGINE_KINDS:
+        raise ConfigError(f"{where}: kind must be one of {', '.join(ENGINE_KINDS)}")
+    if e.hash_format not in HASH_FORMATS:
+        raise ConfigError(f"{where}: hash_format must be one of {', '.join(HASH_FORMATS)}")
+    if e.hash_algo not in HASH_ALGOS:
+        raise ConfigError(f"{where}: hash_algo must be one of {', '.join(HASH_ALGOS[1:])}")
+    if not 1 <= e.dp_size <= DP_SIZE_MAX or e.dp_rank_start < 0:
+        raise ConfigError(f"{where}: dp_size must be in 1..{DP_SIZE_MAX}, dp_rank_start >= 0")
+    if e.replay_timeout_ms <= 0:
+        raise ConfigError(f"{where}: replay_timeout_ms must be > 0")
+
+
 def _check(cfg: AgentConfig) -> None:
     if not LEASE_MS_MIN <= cfg.lease_ms <= LEASE_MS_MAX:
         raise ConfigError(f"lease_ms must be in {LEASE_MS_MIN}..{LEASE_MS_MAX}")
-    bad = [t for t in cfg.transports if t not in ("tcp", "shm")]
+    bad = [t for t in cfg.transports if t not in TRANSPORTS]
     if bad or not cfg.transports:
-        raise ConfigError(f"transports must be a non-empty subset of tcp, shm (got {bad})")
+        raise ConfigError(
+            f"transports must be a non-empty subset of {', '.join(TRANSPORTS)} (got {bad})"
+        )
+    if cfg.rdma_port < 0 or cfg.rdma_gid_index < -1:
+        raise ConfigError("rdma_port must be >= 0 (0: auto), rdma_gid_index >= -1 (-1: auto)")
     seen = set()
     for i, p in enumerate(cfg.pools):
         if not p.model or p.block_tokens <= 0:
@@ -133,6 +232,11 @@ def _check(cfg: AgentConfig) -> None:
         if key in seen:
             raise ConfigError(f"[[pools]] #{i + 1}: two pools for one namespace")
         seen.add(key)
+    names = [e.name for e in cfg.engines]
+    if len(set(names)) != len(names):
+        raise ConfigError("[[engines]]: two engines with one name")
+    for i, e in enumerate(cfg.engines):
+        _check_engine(i, e)
     if cfg.fetch_timeout_ms <= 0 or cfg.publish_batch_window_ms <= 0:
         raise ConfigError("fetch_timeout_ms and publish_batch_window_ms must be > 0")
 

@@ -14,9 +14,12 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+import zmq
 from prometheus_client import start_http_server
 
 from agent.config import AgentConfig
+from agent.events.ingest import EngineIngest
+from agent.events.metrics import EventsCollector
 from agent.fetcher import Fetcher, PeerCache
 from agent.metrics import AgentMetrics
 from agent.pool import KvPool
@@ -26,6 +29,7 @@ from directory.client import DirectoryClient, DirectoryError
 from directory.validate import namespace_key
 from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
 from proto.kvdir.v1 import directory_pb2 as pb
+from transfer.base import TransferError
 from transfer.engine import TransferEngine
 
 log = logging.getLogger("kvdir.agent")
@@ -47,6 +51,7 @@ class AgentDaemon:
         self.fetcher: Fetcher | None = None
         self.core: AgentCore | None = None
         self.directory = DirectoryClient(list(cfg.directory), timeout_s=5.0)
+        self.ingests: list[EngineIngest] = []
         self._servers: list[grpc.Server] = []
         self._metrics_server: Any = None
 
@@ -84,9 +89,22 @@ class AgentDaemon:
             opened = self._open_pools()
         except OSError as e:
             raise AgentStartError(f"cannot open the KV pool under {cfg.pool_dir}: {e}") from e
-        self.engine = TransferEngine(
-            cfg.transports, host=cfg.host, shared=[pool.mem for _, pool, _ in opened]
-        )
+        rdma = None
+        if "rdma" in cfg.transports:
+            from agent import rdma_link
+
+            rdma = rdma_link.options(
+                cfg.node_id, cfg.listen, cfg.rdma_device, cfg.rdma_port, cfg.rdma_gid_index
+            )
+        try:
+            self.engine = TransferEngine(
+                cfg.transports,
+                host=cfg.host,
+                shared=[pool.mem for _, pool, _ in opened],
+                rdma=rdma,
+            )
+        except (ValueError, TransferError) as e:
+            raise AgentStartError(f"cannot start the transfer engine: {e}") from e
         for ns, pool, tier in opened:
             region = self.engine.register(pool.view)
             self.pools[ns_key(ns)] = PoolState(ns, pool, region, tier)
@@ -121,6 +139,7 @@ class AgentDaemon:
         )
         self.core = AgentCore(cfg.node_id, self.pools, self.engine, p, self.fetcher, self.metrics)
         self._serve()
+        self._start_engines(node, limits)
         log.info(
             "agent started",
             extra={
@@ -131,6 +150,23 @@ class AgentDaemon:
                 "transports": self.engine.names,
             },
         )
+
+    def _start_engines(self, node: NodeIdentity, limits: PublisherLimits) -> None:
+        """Ingest each configured stock engine's KV events (index-only holders)."""
+        if not self.cfg.engines:
+            return
+        self.metrics.registry.register(EventsCollector(lambda: self.ingests))
+        for ec in self.cfg.engines:
+            ingest = EngineIngest(ec, self.directory, node, limits)
+            self.ingests.append(ingest)
+            try:
+                ingest.start()
+            except DirectoryError as e:
+                raise AgentStartError(
+                    f"cannot register engine {ec.name}'s holders with the directory: {e}"
+                ) from e
+            except zmq.ZMQError as e:
+                raise AgentStartError(f"cannot subscribe to engine {ec.name}: {e}") from e
 
     def _serve(self) -> None:
         cfg, core = self.cfg, self.core
@@ -165,6 +201,8 @@ class AgentDaemon:
 
     def stop(self, deregister: bool = True) -> None:
         """Leave: stop serving, flush and (by default) withdraw our entries."""
+        for ingest in self.ingests:
+            ingest.stop(deregister=deregister)
         for s in self._servers:
             s.stop(1.0).wait(2.0)
         if self.publisher is not None:
