@@ -41,3 +41,9 @@ integration: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
+
+# Stock vLLM publishers for tests/events (each in its own cached venv; docs/events.md).
+.PHONY: vllm
+vllm:
+	scripts/install-vllm.sh 0.33.0
+	scripts/install-vllm.sh 0.23.0

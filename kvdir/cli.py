@@ -2,6 +2,7 @@
 
     kvdir directory serve   run one directory replica (a daemon)
     kvdir ctl status|nodes|lookup   inspect a running directory
+    kvdir ctl check-hashes   the hashes a vLLM engine will publish, and a live check
     kvdir demo              a local 3-replica cluster, a real publish/lookup workload
     kvdir bench directory   the directory benchmark
 
@@ -114,6 +115,15 @@ def _pool_spec(spec: str) -> dict[str, Any]:
     return out
 
 
+def _engine_spec(spec: str) -> dict[str, Any]:
+    """`--engine name=vllm0,endpoint=tcp://127.0.0.1:5557,model=M,block_tokens=16[,...]`."""
+    out = _pool_spec(spec)
+    for key in ("bind",):
+        if key in out:
+            out[key] = str(out[key]).lower() in ("1", "true", "yes")
+    return out
+
+
 def cmd_agent_serve(args: argparse.Namespace) -> int:
     from agent import config as agent_config
     from agent.daemon import AgentDaemon, AgentStartError
@@ -133,6 +143,8 @@ def cmd_agent_serve(args: argparse.Namespace) -> int:
     }
     if args.pool:
         overrides["pools"] = [_pool_spec(p) for p in args.pool]
+    if args.engine:
+        overrides["engines"] = [_engine_spec(e) for e in args.engine]
     if args.config:
         cfg = agent_config.load(args.config, overrides)
     else:
@@ -303,6 +315,84 @@ def cmd_lookup(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------- check-hashes
+
+
+def _int_list(spec: str) -> list[int]:
+    """`1,2,3` or `START:STOP` (a range)."""
+    if ":" in spec:
+        lo, _, hi = spec.partition(":")
+        return list(range(int(lo), int(hi)))
+    return [int(t) for t in spec.split(",") if t.strip()]
+
+
+def _watch_engine(args: argparse.Namespace) -> Any:
+    """The first checkable BlockStored the engine at --endpoint publishes."""
+    import time
+
+    import zmq
+
+    from agent.events.decode import BlockStored, DecodeError, decode_batch
+    from agent.events.selfcheck import checkable
+
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    (sock.bind if args.bind else sock.connect)(args.endpoint)
+    deadline = time.monotonic() + args.timeout
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            if not sock.poll(int(left * 1000)):
+                break
+            frames = sock.recv_multipart()
+            if len(frames) != 3:
+                continue
+            try:
+                batch = decode_batch(frames[2])
+            except DecodeError:
+                continue
+            for ev in batch.events:
+                if type(ev) is BlockStored and checkable(ev):
+                    return ev
+    finally:
+        sock.close(0)
+    raise CliError(
+        f"no checkable BlockStored event from {args.endpoint} within {args.timeout:.0f}s "
+        "(send the engine a prompt of at least one full block)"
+    )
+
+
+def cmd_check_hashes(args: argparse.Namespace) -> int:
+    """Recompute the block hashes vLLM publishes; compare with given or live ones."""
+    from agent.events.decode import BlockStored
+    from agent.events.selfcheck import SelfCheckError, check_event, first_block_hashes
+
+    try:
+        if args.endpoint:
+            ev = _watch_engine(args)
+        else:
+            if not args.tokens:
+                raise CliError("give --tokens (and --expect) or --endpoint")
+            toks = _int_list(args.tokens)
+            hashes = first_block_hashes(toks, args.block_size, args.algo, args.seed, not args.bytes)
+            if not args.expect:
+                for h in hashes:
+                    print(h.hex() if isinstance(h, bytes) else h)
+                return 0
+            exp = [t.strip() for t in args.expect.split(",") if t.strip()]
+            got: list[int | bytes] = [int(t) if t.isdigit() else bytes.fromhex(t) for t in exp]
+            ev = BlockStored(got, None, toks, args.block_size)
+        result = check_event(ev, args.algo, args.seed, args.block_size)
+    except SelfCheckError as e:
+        raise CliError(str(e)) from e
+    if result is None:
+        raise CliError("the event cannot be checked (an int parent hash or extra keys)")
+    print(
+        ("ok: " if result.ok else "") + result.message, file=sys.stdout if result.ok else sys.stderr
+    )
+    return 0 if result.ok else 1
+
+
 # ---------------------------------------------------------------- parser
 
 
@@ -363,6 +453,13 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
         default=[],
         help="model=M,block_tokens=N,slot_bytes=B,slots=S[,dtype=..,layout=..]",
     )
+    a.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        help="ingest a stock engine's KV events: name=N,endpoint=E,model=M,block_tokens=B"
+        "[,replay_endpoint=..,dp_size=..,hash_algo=..,bind=true] (docs/events.md)",
+    )
     a.add_argument("--log-format", choices=["json", "text"])
     a.add_argument("--log-level", default="INFO")
     a.set_defaults(func=cmd_agent_serve)
@@ -394,6 +491,21 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
             c.add_argument("--max-nodes", type=int, default=0)
             c.add_argument("--exclude", default="")
             c.add_argument("--linearizable", action="store_true")
+
+    ch = ctl.add_parser(
+        "check-hashes",
+        help="recompute the block hashes vLLM publishes; compare with an engine's",
+    )
+    ch.add_argument("--block-size", type=int, default=16)
+    ch.add_argument("--algo", default="sha256", help="the engine's --prefix-caching-hash-algo")
+    ch.add_argument("--seed", default="", help="the engine's PYTHONHASHSEED (empty: vLLM default)")
+    ch.add_argument("--tokens", help="token ids: 1,2,3 or START:STOP")
+    ch.add_argument("--bytes", action="store_true", help="32-byte hashes (INT_BLOCK_HASHES=0)")
+    ch.add_argument("--expect", help="the hashes the engine published (ints or hex), in order")
+    ch.add_argument("--endpoint", help="check the engine's live events at this ZMQ endpoint")
+    ch.add_argument("--bind", action="store_true", help="bind --endpoint (engine connects)")
+    ch.add_argument("--timeout", type=float, default=30.0)
+    ch.set_defaults(func=cmd_check_hashes)
 
     from kvdir import demo
 

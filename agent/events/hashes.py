@@ -54,7 +54,7 @@ def _ints(hashes: Sequence[int], fmt: HashFormat) -> list[bytes]:
         try:
             return _split8(struct.pack(f">{n}Q", *hashes))
         except struct.error:  # auto with a negative (signed) hash among them
-            if min(hashes) < -(1 << 63):
+            if min(hashes) < -(1 << 63) or max(hashes) > U64_MASK:
                 raise
             return _split8(struct.pack(f">{n}Q", *(h & U64_MASK for h in hashes)))
     except struct.error as e:

@@ -20,6 +20,9 @@ def add_parsers(sub: Any) -> None:
     from kvdir.bench import transfer
 
     transfer.add_parser(kinds)
+    from kvdir.bench import events
+
+    events.add_parser(kinds)
 
 
 __all__ = ["add_parsers", "argparse"]
