@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck proto proto-check unit integration clean
+.PHONY: rdma rdma-vm demo test lint typecheck proto proto-check unit integration clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,3 +47,9 @@ clean:
 vllm:
 	scripts/install-vllm.sh 0.33.0
 	scripts/install-vllm.sh 0.23.0
+
+rdma: $(STAMP)  # the rdma tier: builds (cached) and boots the Soft-RoCE VM
+	$(VENV)/bin/pytest -q tests/rdma
+
+rdma-vm: $(STAMP)  # just build (or find) the cached VM image
+	$(PY) -m tests.rdma.vm build

@@ -132,6 +132,13 @@ class AgentService(apb_grpc.AgentServicer):
         resp.pools.extend(p.info() for p in self.core.pools.values())
         return resp
 
+    def ConnectRdma(
+        self, request: apb.ConnectRdmaRequest, context: grpc.ServicerContext
+    ) -> apb.ConnectRdmaResponse:
+        from agent import rdma_link
+
+        return rdma_link.serve_connect(self.core.node_id, self.core.engine, request, context)
+
     def Health(
         self, request: apb.AgentHealthRequest, context: grpc.ServicerContext
     ) -> apb.AgentHealthResponse:

@@ -13,9 +13,11 @@ import importlib
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from transfer.base import Channel, PeerUnavailable, Region, Transport
 from transfer.memory import Registry, SharedMemory
+from transfer.rdma_support import RdmaOptions
 
 PREFERENCE = ("shm", "rdma", "tcp")
 """Backend order for a peer that offers several (fastest first)."""
@@ -23,7 +25,24 @@ PREFERENCE = ("shm", "rdma", "tcp")
 _BACKENDS = {
     "tcp": ("transfer.tcp", "TcpTransport"),
     "shm": ("transfer.shm", "ShmTransport"),
+    "rdma": ("transfer.rdma", "RdmaTransport"),
 }
+REGISTER_FIRST = "rdma"
+"""Registered first: its memory registration issues the rkey every backend shares."""
+
+
+def _load(name: str) -> Any:
+    module, cls = _BACKENDS[name]
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as e:
+        if name == "rdma":
+            raise ValueError(
+                f"the rdma backend needs pyverbs, which cannot be imported here ({e}); "
+                "install rdma-core's Python bindings (Debian: python3-pyverbs) or drop "
+                "'rdma' from transports (`python -m transfer.rdma_support` reports what exists)"
+            ) from e
+        raise
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,8 +53,13 @@ class Descriptor:
 
 class TransferEngine:
     def __init__(
-        self, backends: Sequence[str], host: str = "127.0.0.1", shared: Sequence[SharedMemory] = ()
+        self,
+        backends: Sequence[str],
+        host: str = "127.0.0.1",
+        shared: Sequence[SharedMemory] = (),
+        rdma: RdmaOptions | None = None,
     ) -> None:
+        """`rdma`: options of the rdma backend (device, port, GID index, exchange)."""
         unknown = [b for b in backends if b not in _BACKENDS]
         if unknown:
             raise ValueError(
@@ -45,9 +69,10 @@ class TransferEngine:
         self.registry = Registry()
         self.transports: dict[str, Transport] = {}
         for name in backends:
-            module, cls = _BACKENDS[name]
-            factory = getattr(importlib.import_module(module), cls)
-            if name == "tcp":
+            factory = _load(name)
+            if name == "rdma":
+                self.transports[name] = factory(rdma, registry=self.registry)
+            elif name == "tcp":
                 self.transports[name] = factory(host=host, registry=self.registry)
             elif name == "shm":
                 if not shared:
@@ -61,7 +86,8 @@ class TransferEngine:
 
     def register(self, memory: memoryview) -> Region:
         """Expose `memory` through every backend under one rkey."""
-        regions = {t.register(memory) for t in self.transports.values()}
+        order = sorted(self.transports, key=lambda n: n != REGISTER_FIRST)
+        regions = {self.transports[n].register(memory) for n in order}
         assert len(regions) == 1, "backends disagree on a region"
         return regions.pop()
 

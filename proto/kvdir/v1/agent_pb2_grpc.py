@@ -44,6 +44,11 @@ class AgentStub:
                 request_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.AgentHealthRequest.SerializeToString,
                 response_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.AgentHealthResponse.FromString,
                 _registered_method=True)
+        self.ConnectRdma = channel.unary_unary(
+                '/kvdir.v1.Agent/ConnectRdma',
+                request_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.ConnectRdmaRequest.SerializeToString,
+                response_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.ConnectRdmaResponse.FromString,
+                _registered_method=True)
 
 
 class AgentServicer:
@@ -61,6 +66,12 @@ class AgentServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ConnectRdma(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +84,11 @@ def add_AgentServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.AgentHealthRequest.FromString,
                     response_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.AgentHealthResponse.SerializeToString,
+            ),
+            'ConnectRdma': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConnectRdma,
+                    request_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.ConnectRdmaRequest.FromString,
+                    response_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.ConnectRdmaResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +145,33 @@ class Agent:
             '/kvdir.v1.Agent/Health',
             proto_dot_kvdir_dot_v1_dot_agent__pb2.AgentHealthRequest.SerializeToString,
             proto_dot_kvdir_dot_v1_dot_agent__pb2.AgentHealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConnectRdma(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdir.v1.Agent/ConnectRdma',
+            proto_dot_kvdir_dot_v1_dot_agent__pb2.ConnectRdmaRequest.SerializeToString,
+            proto_dot_kvdir_dot_v1_dot_agent__pb2.ConnectRdmaResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,12 +45,14 @@ class AgentStub:
     def __new__(cls, channel: _aio.Channel) -> AgentAsyncStub: ...
     Handshake: _grpc.UnaryUnaryMultiCallable[_agent_pb2.HandshakeRequest, _agent_pb2.HandshakeResponse]
     Health: _grpc.UnaryUnaryMultiCallable[_agent_pb2.AgentHealthRequest, _agent_pb2.AgentHealthResponse]
+    ConnectRdma: _grpc.UnaryUnaryMultiCallable[_agent_pb2.ConnectRdmaRequest, _agent_pb2.ConnectRdmaResponse]
 
 @_typing.type_check_only
 class AgentAsyncStub(AgentStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Handshake: _aio.UnaryUnaryMultiCallable[_agent_pb2.HandshakeRequest, _agent_pb2.HandshakeResponse]  # type: ignore[assignment]
     Health: _aio.UnaryUnaryMultiCallable[_agent_pb2.AgentHealthRequest, _agent_pb2.AgentHealthResponse]  # type: ignore[assignment]
+    ConnectRdma: _aio.UnaryUnaryMultiCallable[_agent_pb2.ConnectRdmaRequest, _agent_pb2.ConnectRdmaResponse]  # type: ignore[assignment]
 
 class AgentServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -66,6 +68,13 @@ class AgentServicer(metaclass=_abc_1.ABCMeta):
         request: _agent_pb2.AgentHealthRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_agent_pb2.AgentHealthResponse, _abc.Awaitable[_agent_pb2.AgentHealthResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ConnectRdma(
+        self,
+        request: _agent_pb2.ConnectRdmaRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_agent_pb2.ConnectRdmaResponse, _abc.Awaitable[_agent_pb2.ConnectRdmaResponse]]: ...
 
 def add_AgentServicer_to_server(servicer: AgentServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
