@@ -15,6 +15,7 @@ that leaves this module refers to a column's memory.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -96,43 +97,49 @@ class Chain:
         return out.view(">u8").ravel()
 
 
-@dataclass(slots=True)
 class _V:
-    addr: Any
-    length: Any
-    rkey: Any
-    gen: Any
-    tier: Any
-    node: Any
-    bnext: Any
-    fp: Any
-    kw: Any
-    solo: Any
-    ns: Any
+    """Numpy views of the columns, made on first use (each costs ~1 us)."""
+
+    _DTYPES = {
+        "addr": np.uint64,
+        "length": np.uint32,
+        "rkey": np.uint32,
+        "gen": np.uint64,
+        "tier": np.uint8,
+        "node": np.uint32,
+        "bnext": np.uint32,
+        "fp": np.uint64,
+        "kw": np.uint8,
+        "solo": np.uint8,
+        "ns": np.uint32,
+        "dual": np.uint8,
+    }
+
+    def __init__(self, c: Columns) -> None:
+        self._c = c
+
+    def __getattr__(self, name: str) -> Any:
+        dtype = _V._DTYPES.get(name)
+        if dtype is None:
+            raise AttributeError(name)
+        view = np.frombuffer(getattr(self._c, name), dtype)
+        setattr(self, name, view)
+        return view
+
+    def release(self) -> None:
+        for name in _V._DTYPES:
+            self.__dict__.pop(name, None)
 
 
 @contextmanager
 def _views(c: Columns) -> Iterator[_V]:
-    v = _V(
-        np.frombuffer(c.addr, np.uint64),
-        np.frombuffer(c.length, np.uint32),
-        np.frombuffer(c.rkey, np.uint32),
-        np.frombuffer(c.gen, np.uint64),
-        np.frombuffer(c.tier, np.uint8),
-        np.frombuffer(c.node, np.uint32),
-        np.frombuffer(c.bnext, np.uint32),
-        np.frombuffer(c.fp, np.uint64),
-        np.frombuffer(c.kw, np.uint8),
-        np.frombuffer(c.solo, np.uint8),
-        np.frombuffer(c.ns, np.uint32),
-    )
+    v = _V(c)
     try:
         yield v
     finally:
         # Drop the exports now, even when unwinding: a traceback that kept a
         # view alive would make the next append in `apply` fail.
-        v.addr = v.length = v.rkey = v.gen = v.tier = v.node = v.bnext = None
-        v.fp = v.kw = v.solo = v.ns = None
+        v.release()
 
 
 def longest_prefixes(
@@ -148,12 +155,11 @@ def longest_prefixes(
     if s0 == NIL:
         return []
     c = table.col
-    if chain.packed and c.solo[s0]:
-        # Block 0 has one holder, so only that node can hold a prefix.
-        if c.node[s0] == exclude:
-            return []
+    if chain.packed:
+        # Only the holders of block 0 can hold a prefix: follow each one's runs.
+        starts = _holder_starts(c, s0, exclude)
         with _views(c) as v:
-            return [(c.node[s0], _follow_runs(v, blocks, c.key, chain, ns, s0))]
+            return [(n, _follow_runs(v, blocks, c.key, chain, ns, s)) for n, s in starts]
     n = len(chain)
     h = np.fromiter(map(blocks.get, chain.items(), repeat(NIL, n)), np.int64, n)
     gaps = np.flatnonzero(h == NIL)
@@ -165,17 +171,29 @@ def longest_prefixes(
         return _multi_holder(v, h, exclude)
 
 
+def _holder_starts(c: Columns, head: int, exclude: int) -> list[tuple[int, int]]:
+    """(node, its best-tier slot) for each holder on block 0's chain, in chain order."""
+    best: dict[int, int] = {}
+    s = head
+    while s != NIL:
+        n = c.node[s]
+        if n != exclude and (n not in best or c.tier[s] < c.tier[best[n]]):
+            best[n] = s
+        s = c.bnext[s]
+    return list(best.items())
+
+
 def _follow_runs(
     v: _V, blocks: dict[bytes, int], keys: list[bytes | None], chain: Chain, ns: int, s0: int
 ) -> Any:
-    """Prefix of node(s0), the sole holder of block 0: follow runs of consecutive slots.
+    """Prefix of node(s0), a holder of block 0: follow runs of consecutive slots.
 
     A holder that published a chain in one batch stored it in consecutive
     slots, so slot s+1 usually holds block i+1: one vectorised comparison
     (fingerprint, key width, namespace, node) accepts a whole run without a
     dict probe per block. Where a run breaks, one dict probe finds the node's
     slot for that block and a new run starts there; a block the node does not
-    hold ends the prefix. Blocks the node shares with other holders are
+    hold ends the prefix. Blocks the node holds in two tiers (`dual`) are
     re-resolved through their holder chain so the node's best tier wins.
     """
     fps = chain.fingerprints()
@@ -185,19 +203,19 @@ def _follow_runs(
     i, s = 0, s0
     while i < n:
         k = min(n - i, nslots - s)
-        cand = np.arange(s, s + k)
+        # Consecutive slots: slices (views), not gathers.
         ok = (
-            (v.fp[cand] == fps[i : i + k])
-            & (v.kw[cand] == width)
-            & (v.ns[cand] == ns)
-            & (v.node[cand] == node)
+            (v.fp[s : s + k] == fps[i : i + k])
+            & (v.kw[s : s + k] == width)
+            & (v.ns[s : s + k] == ns)
+            & (v.node[s : s + k] == node)
         )
         bad = np.flatnonzero(~ok)
         run = int(bad[0]) if len(bad) else k
         if width > 8 and run:
             run = _same_keys(keys, chain, i, s, run)
-        slots = cand[:run].copy()
-        for j in np.flatnonzero(v.solo[slots] == 0).tolist():
+        slots = np.arange(s, s + run, dtype=np.int64)
+        for j in np.flatnonzero(v.dual[s : s + run]).tolist():
             slots[j] = _best_slot(v, blocks.get(chain.item(i + j), NIL), node)
         runs.append(slots)
         i += run
@@ -286,8 +304,20 @@ def _multi_holder(v: _V, h: Any, exclude: int) -> list[tuple[int, Any]]:
 
 
 def packed_records(table: Table, slots: Sequence[int]) -> PackedRecords:
+    s = np.asarray(slots, dtype=np.int64)
+    n = len(s)
+    if n and int(s[-1]) - int(s[0]) == n - 1 and (n < 3 or bool((np.diff(s) == 1).all())):
+        # A run of consecutive slots (the usual answer): plain memory copies.
+        a, b = int(s[0]), int(s[0]) + n
+        c = table.col
+        return PackedRecords(
+            _le(c.addr, a, b),
+            _le(c.length, a, b),
+            _le(c.rkey, a, b),
+            _le(c.gen, a, b),
+            c.tier[a:b].tobytes(),
+        )
     with _views(table.col) as v:
-        s = np.asarray(slots, dtype=np.int64)
         return PackedRecords(
             v.addr[s].astype("<u8", copy=False).tobytes(),
             v.length[s].astype("<u4", copy=False).tobytes(),
@@ -295,6 +325,14 @@ def packed_records(table: Table, slots: Sequence[int]) -> PackedRecords:
             v.gen[s].astype("<u8", copy=False).tobytes(),
             v.tier[s].tobytes(),
         )
+
+
+def _le(col: Any, a: int, b: int) -> bytes:
+    """Little-endian bytes of col[a:b] (arrays are native-endian)."""
+    part = col[a:b]
+    if sys.byteorder != "little":
+        part.byteswap()
+    return bytes(part.tobytes())
 
 
 def sort_matches(matches: list[Match], max_nodes: int) -> list[Match]:

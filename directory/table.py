@@ -97,6 +97,7 @@ class Columns:
     __slots__ = (
         "addr",
         "bnext",
+        "dual",
         "fp",
         "gen",
         "key",
@@ -128,6 +129,9 @@ class Columns:
         """Key width in bytes."""
         self.solo = array("B")
         """1 when this slot is its block's only holder (lookup's fast path)."""
+        self.dual = array("B")
+        """1 when the same node also holds this block in another tier (lookup's
+        fast path then re-resolves the node's best tier)."""
         self.key: list[bytes | None] = []
 
     def arrays(self) -> list[array[int]]:
@@ -146,6 +150,7 @@ class Columns:
             self.fp,
             self.kw,
             self.solo,
+            self.dual,
         ]
 
     def __len__(self) -> int:
@@ -318,6 +323,9 @@ class Table:
                 tier,
             )
             cnext[s] = head
+            sib = self._sibling(head, nidx)
+            if sib != NIL:
+                c.dual[s] = c.dual[sib] = 1
             if head == NIL:
                 c.solo[s] = 1
             else:
@@ -350,6 +358,7 @@ class Table:
         c.gen.extend(cmd.generations)
         c.tier.frombytes(bytes((cmd.tier,)) * n)
         c.solo.frombytes(b"\x01" * n)
+        c.dual.frombytes(bytes(n))
         c.node.extend(repeat(nidx, n))
         c.ns.extend(repeat(ns, n))
         c.bnext.extend(repeat(NIL, n))
@@ -388,6 +397,7 @@ class Table:
                 col.append(NIL)
             c.tier.append(0)
             c.solo.append(0)
+            c.dual.append(0)
             c.node.append(nidx)
             c.ns.append(ns)
             c.fp.append(fp)
@@ -402,9 +412,23 @@ class Table:
         self.entries += 1
         return s
 
+    def _sibling(self, head: int, nidx: int) -> int:
+        """The slot of node `nidx` on a holder chain (another tier of the block), or NIL."""
+        c = self.col
+        while head != NIL and c.node[head] != nidx:
+            head = c.bnext[head]
+        return head
+
     def _release(self, s: int) -> None:
         """Unlink slot `s` from its node's list and free it (block chain done by caller)."""
         c = self.col
+        if c.dual[s]:
+            key = c.key[s]
+            assert key is not None
+            sib = self._sibling(self.blocks[c.ns[s]].get(key, NIL), c.node[s])
+            if sib != NIL:
+                c.dual[sib] = 0
+            c.dual[s] = 0
         node = self.node_by_idx[c.node[s]]
         assert node is not None, "slot owned by a forgotten node"
         prev, nxt = c.nprev[s], c.nnext[s]

@@ -45,7 +45,7 @@ from typing import Any
 
 import grpc
 
-from directory.client import DirectoryClient, DirectoryError
+from directory.client import DirectoryClient, DirectoryError, lookup_request
 from directory.raft import RaftTuning
 from kvdir.bench import report
 from kvdir.bench.report import Target, at_least, at_most, fmt
@@ -834,10 +834,7 @@ class Bench:
         n = min(s.chains, QUERY_CHAINS_MAX)
         self.queries = self.rng.sample(range(s.chains), n)
         self.lookup_reqs = [
-            pb.LookupRequest(
-                namespace=NAMESPACE, block_hashes=s.chain_hashes(c)
-            ).SerializeToString()
-            for c in self.queries
+            lookup_request(NAMESPACE, s.chain_hashes(c)).SerializeToString() for c in self.queries
         ]
         ch = channel(target.grpc_address)
         call = raw_method(ch, LOOKUP, "LookupResponse")
@@ -1017,11 +1014,7 @@ class Bench:
             return [
                 pb.LookupBatchRequest(
                     lookups=[
-                        pb.LookupRequest(
-                            namespace=NAMESPACE,
-                            block_hashes=self.shape.chain_hashes(c),
-                            omit_records=omit,
-                        )
+                        lookup_request(NAMESPACE, self.shape.chain_hashes(c), omit_records=omit)
                         for c in chains
                     ]
                 ).SerializeToString()
@@ -1056,7 +1049,8 @@ class Bench:
             "sizing": sizing,
             "latency": {**l1, "by_kind": l1_kinds},
             "throughput": {**ln, "by_kind": ln_kinds},
-            "request_form": "pre-serialized LookupRequest bytes (no client-side building); "
+            "request_form": "pre-serialized LookupRequest bytes in the packed form "
+            "(packed_hashes, as directory.client sends them; no client-side building); "
             "responses parsed into LookupResponse; records included; max_nodes default",
         }
         self.results["echo"] = {
@@ -1854,8 +1848,9 @@ def markdown(data: dict[str, Any]) -> str:
             "one Echo twin per query, same order. 1-in-flight p50 by kind: single holder "
             f"{fmt(kinds['single_holder']['p50_ms'])} ms, two holders "
             f"{fmt(kinds['multi_holder']['p50_ms'])} ms. Lookup and Echo ran alternately "
-            "(A B B A slices of the phase). Client processes send pre-serialized requests and "
-            "parse the responses.",
+            "(A B B A slices of the phase). Client processes send pre-serialized requests "
+            "(the packed chain form `directory.client.lookup_request` builds) and parse the "
+            "responses.",
             "",
         ]
     if "failover" in r:
