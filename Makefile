@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: rdma rdma-vm demo test lint typecheck proto proto-check unit integration clean
+.PHONY: rdma rdma-vm bench-rdma demo test lint typecheck proto proto-check unit integration clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -53,3 +53,9 @@ rdma: $(STAMP)  # the rdma tier: builds (cached) and boots the Soft-RoCE VM
 
 rdma-vm: $(STAMP)  # just build (or find) the cached VM image
 	$(PY) -m tests.rdma.vm build
+
+bench-rdma: $(STAMP)  # kvdir's RDMA READs vs ib_read_bw inside the Soft-RoCE VM
+	rm -rf /tmp/kvdir-bench-rdma
+	$(PY) -m tests.rdma.vm run --out /tmp/kvdir-bench-rdma -- \
+		python -m kvdir.cli bench transfer --transport rdma --out-dir /kvdir-out/results
+	mkdir -p bench/results && cp /tmp/kvdir-bench-rdma/results/rdma-* bench/results/

@@ -156,6 +156,17 @@ def add_parser(kinds: Any) -> None:
         "2-core machine starves the path being measured)",
     )
     p.add_argument("--seed", type=int, default=1, help="seed of the benchmark's randomness")
+    p.add_argument(
+        "--transport",
+        choices=["tcp-shm", "rdma"],
+        default="tcp-shm",
+        help="tcp-shm: the agent benchmark above; rdma: kvdir's RDMA READs next to "
+        "perftest's ib_read_bw on this machine's RDMA device (kvdir/bench/rdma.py)",
+    )
+    p.add_argument("--segment-mb", type=float, default=None, help="rdma: segment size (1)")
+    p.add_argument("--segments", type=int, default=64, help="rdma: segments per kvdir read")
+    p.add_argument("--rounds", type=int, default=5, help="rdma: interleaved rounds")
+    p.add_argument("--perftest-iters", type=int, default=200, help="rdma: ib_read_bw -n")
     p.set_defaults(func=run)
 
 
@@ -1242,6 +1253,10 @@ def markdown(data: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "transport", "tcp-shm") == "rdma":
+        from kvdir.bench import rdma
+
+        return rdma.run(args)
     cfg = resolve(args)
     started = dt.datetime.now(dt.UTC)
     t0 = time.monotonic()

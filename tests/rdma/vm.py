@@ -452,8 +452,25 @@ def guest_env() -> dict[str, str]:
         "KVDIR_IN_VM": "1",
         "KVDIR_RDMA_DEVICE": RXE_DEVICE,
         "HOME": "/tmp",
+        "KVDIR_GIT_COMMIT": _host_commit(),
         "PATH": f"{Path(sys.executable).parent}:/usr/sbin:/usr/bin:/sbin:/bin",
     }
+
+
+def _host_commit() -> str:
+    """The host checkout's commit (the guest has no git), for benchmark headers."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip()
 
 
 def job_script(command: str) -> str:
