@@ -34,11 +34,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from dataclasses import dataclass
 from typing import Any
 
-from directory.config import ConfigError
+from directory.config import ConfigError, read_toml
 from directory.limits import LEASE_MS_DEFAULT, LEASE_MS_MAX, LEASE_MS_MIN
 from proto.kvdir.v1 import directory_pb2 as pb
 
@@ -242,12 +241,4 @@ def _check(cfg: AgentConfig) -> None:
 
 
 def load(path: str, overrides: dict[str, Any] | None = None) -> AgentConfig:
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror}") from e
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path} is not valid TOML: {e}") from e
-    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return from_dict(raw)
+    return from_dict(read_toml(path, overrides))

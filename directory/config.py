@@ -144,7 +144,8 @@ def _check(cfg: DirectoryConfig) -> None:
         raise ConfigError("grpc_workers, lease_sweep_ms and lease_default_ms must be > 0")
 
 
-def load(path: str, overrides: dict[str, Any] | None = None) -> DirectoryConfig:
+def read_toml(path: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A TOML config file as a dict, with the non-None `overrides` (flags) on top."""
     try:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
@@ -153,7 +154,11 @@ def load(path: str, overrides: dict[str, Any] | None = None) -> DirectoryConfig:
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}") from e
     raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return from_dict(raw)
+    return raw
+
+
+def load(path: str, overrides: dict[str, Any] | None = None) -> DirectoryConfig:
+    return from_dict(read_toml(path, overrides))
 
 
 def parse_peer(spec: str) -> Peer:

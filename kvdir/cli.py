@@ -93,12 +93,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         daemon.start()
     except StartError as e:
         raise CliError(str(e)) from e
+    _until_signal()
+    daemon.stop()
+    return 0
+
+
+def _until_signal() -> None:
+    """Block until SIGTERM or SIGINT (systemd's stop, or ^C)."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
-    daemon.stop()
-    return 0
 
 
 # ----------------------------------------------------------------- agent
@@ -156,10 +161,7 @@ def cmd_agent_serve(args: argparse.Namespace) -> int:
     except AgentStartError as e:
         daemon.stop(deregister=False)
         raise CliError(str(e)) from e
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    _until_signal()
     daemon.stop()
     return 0
 
