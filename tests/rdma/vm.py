@@ -202,6 +202,10 @@ def cache_root() -> Path:
 
 
 def image_key() -> tuple[str, dict[str, str]]:
+    try:
+        _candidate(KERNEL_META)
+    except VmError:  # a fresh machine with empty apt lists: fetch them once
+        _run(["apt-get", "update", "-qq"], timeout_s=600)
     kernel = _kernel_package()
     versions = {p: _candidate(p) for p in (kernel, *GUEST_PACKAGES)}
     recipe = json.dumps([RECIPE_VERSION, INIT, MODULES, versions], sort_keys=True)
