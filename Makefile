@@ -48,6 +48,11 @@ vllm:
 	scripts/install-vllm.sh 0.33.0
 	scripts/install-vllm.sh 0.23.0
 
+# SGLang's real event publisher for tests/events (its wheel's event modules only).
+.PHONY: sglang
+sglang:
+	scripts/install-sglang.sh 0.5.23
+
 rdma: $(STAMP)  # the rdma tier: builds (cached) and boots the Soft-RoCE VM
 	$(VENV)/bin/pytest -q tests/rdma
 
