@@ -207,6 +207,8 @@ class AgentDaemon:
             s.stop(1.0).wait(2.0)
         if self.publisher is not None:
             self.publisher.stop(deregister=deregister)
+        if self.fetcher is not None:
+            self.fetcher.peers.close()
         if self.engine is not None:
             self.engine.close()
         if self._metrics_server is not None:

@@ -221,9 +221,13 @@ class EngineClient:
             self._wake.set()
 
     def flush(self) -> None:
-        """Ship every queued notification now (tests, and before freeing slots)."""
-        while self._queue:
+        """Ship every queued notification now and return once the agent has them
+        (before freeing slots, and in tests)."""
+        while True:
             self._ship()
+            with self._lock:  # also waits out a batch the shipper thread is sending
+                if not self._queue:
+                    return
 
     # ------------------------------------------------------------ reads
 

@@ -86,6 +86,13 @@ class PeerCache:
         if peer is not None:
             peer.channel.close()
 
+    def close(self) -> None:
+        """Close every cached channel (agent shutdown)."""
+        with self.lock:
+            peers, self.peers = list(self.peers.values()), {}
+        for peer in peers:
+            peer.channel.close()
+
     def get(self, node_id: str, endpoint: str) -> Peer:
         with self.lock:
             peer = self.peers.get((node_id, endpoint))
