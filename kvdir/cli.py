@@ -2,6 +2,7 @@
 
     kvdir directory serve   run one directory replica (a daemon)
     kvdir ctl status|nodes|lookup   inspect a running directory
+    kvdir ctl wait-ready    block until replicas (or an agent) are ready; a systemd gate
     kvdir ctl check-hashes   the hashes a vLLM engine will publish, and a live check
     kvdir demo              a local 3-replica cluster, a real publish/lookup workload
     kvdir bench directory   the directory benchmark
@@ -257,6 +258,65 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ready_once(addr: str, agent: bool, timeout_s: float) -> tuple[bool, str]:
+    """One probe: (ready, what it answered)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from proto.kvdir.v1 import agent_pb2 as apb
+    from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
+
+    target = addr if ":" in addr or addr.startswith("unix:") else f"unix:{addr}"
+    with grpc.insecure_channel(target) as ch:
+        try:
+            if agent:
+                h = apb_grpc.AgentStub(ch).Health(apb.AgentHealthRequest(), timeout=timeout_s)
+                return h.directory_connected, f"directory_connected={h.directory_connected}"
+            r = health_pb2_grpc.HealthStub(ch).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+            name = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+            return r.status == health_pb2.HealthCheckResponse.SERVING, name
+        except grpc.RpcError as e:
+            return False, e.code().name
+
+
+def cmd_wait_ready(args: argparse.Namespace) -> int:
+    """Block until every address is ready, or fail after --timeout (a systemd gate)."""
+    import time
+
+    if args.config:
+        import tomllib
+
+        try:
+            with open(args.config, "rb") as f:
+                raw = tomllib.load(f)
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise CliError(f"{args.config}: {e}") from e
+        key = "listen" if args.agent else "grpc_address"
+        if not isinstance(raw.get(key), str):
+            raise CliError(f"{args.config}: no {key} to probe")
+        args.addr = raw[key]
+    addrs = [a.strip() for a in args.addr.split(",") if a.strip()]
+    deadline = time.monotonic() + args.timeout
+    last: dict[str, str] = {}
+    pending = list(addrs)
+    while pending:
+        for a in list(pending):
+            probe_s = max(0.1, min(1.0, deadline - time.monotonic()))
+            ok, last[a] = _ready_once(a, args.agent, probe_s)
+            if ok:
+                pending.remove(a)
+        if not pending:
+            break
+        if time.monotonic() >= deadline:
+            detail = ", ".join(f"{a}: {last[a]}" for a in pending)
+            raise CliError(f"not ready after {args.timeout:.0f}s ({detail})")
+        time.sleep(min(args.interval, max(0.0, deadline - time.monotonic())))
+    print(f"ready: {', '.join(addrs)}")
+    return 0
+
+
 def cmd_nodes(args: argparse.Namespace) -> int:
     with _client(args) as c:
         resp = c.list_nodes()
@@ -494,6 +554,22 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
             c.add_argument("--exclude", default="")
             c.add_argument("--linearizable", action="store_true")
 
+    w = ctl.add_parser(
+        "wait-ready",
+        help="wait until replicas report SERVING (or an agent is connected), bounded",
+    )
+    w.add_argument("--addr", default=DEFAULT_ADDRS, help="comma-separated gRPC addresses")
+    w.add_argument(
+        "--config", help="probe the address in this directory (or, with --agent, agent) TOML"
+    )
+    w.add_argument("--timeout", type=float, default=60.0, help="give up after this many seconds")
+    w.add_argument("--interval", type=float, default=0.5, help="seconds between probes")
+    w.add_argument(
+        "--agent",
+        action="store_true",
+        help="probe kvdir.v1.Agent.Health (ready: connected to the directory)",
+    )
+    w.set_defaults(func=cmd_wait_ready)
     ch = ctl.add_parser(
         "check-hashes",
         help="recompute the block hashes vLLM publishes; compare with an engine's",
