@@ -63,6 +63,9 @@ class RaftTuning:
     startup_grace_s: float = 1.0
     """A (re)starting replica waits this long for a leader before campaigning,
     so rejoining the cluster does not depose a healthy leader (no pre-vote)."""
+    dns_cache_s: float = 10.0
+    """How long a peer's resolved address is trusted. pysyncobj's 600 s kept a
+    replica that came back on a new IP (a rescheduled pod) unreachable for 10 min."""
     compaction_min_entries: int = 20_000
     compaction_min_time_s: float = 600.0
     commands_queue_max: int = 20_000
@@ -201,6 +204,8 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
             connectionTimeout=tuning.connection_timeout_s,
             connectionRetryTime=tuning.election_min_s,  # redial idle follower links at once
             autoTickPeriod=tuning.tick_period_s,
+            dnsCacheTime=tuning.dns_cache_s,
+            dnsFailCacheTime=min(tuning.dns_cache_s, 30.0),
             leaderFallbackTimeout=tuning.leader_fallback_s,
             journalFile=os.path.join(data_dir, "journal.bin"),
             fullDumpFile=self.dump_path,
