@@ -7,14 +7,12 @@ import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
+from tests.tools import needs
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 PROMTOOL = shutil.which("promtool")
 
-needs_promtool = pytest.mark.skipif(
-    PROMTOOL is None, reason="promtool is missing (.ci/run installs Debian's prometheus)"
-)
+needs_promtool = needs(PROMTOOL is not None, "promtool is missing (Debian's prometheus)")
 
 
 def _promtool(*args: str) -> subprocess.CompletedProcess[str]:

@@ -15,13 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.tools import needs
+
 UNITS = Path(__file__).resolve().parents[2] / "deploy" / "systemd"
 STOCK = Path("/lib/systemd/system")
 ANALYZE = shutil.which("systemd-analyze")
 
-needs_analyze = pytest.mark.skipif(
-    ANALYZE is None or not STOCK.is_dir(),
-    reason="systemd-analyze or the stock units are missing (.ci/run installs systemd)",
+needs_analyze = needs(
+    ANALYZE is not None and STOCK.is_dir(), "systemd-analyze or the stock units are missing"
 )
 
 
@@ -79,8 +80,7 @@ def test_verify_catches_a_broken_unit(tmp_path: Path) -> None:
 @needs_analyze
 def test_sysusers_entry_parses(tmp_path: Path) -> None:
     sysusers = shutil.which("systemd-sysusers")
-    if sysusers is None:
-        pytest.skip("systemd-sysusers is missing")
+    assert sysusers is not None, "systemd-sysusers is missing (Debian's systemd ships it)"
     (tmp_path / "etc").mkdir()
     r = subprocess.run(
         [sysusers, "--dry-run", f"--root={tmp_path}", str(UNITS / "kvdir.sysusers.conf")],
