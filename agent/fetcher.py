@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from agent.pool import HEADER_BYTES, STORED, KvPool, read_header
+from agent.pool import HEADER_BYTES, KvPool, valid_prefix
 from directory.client import DirectoryClient, DirectoryError, records
 from proto.kvdir.v1 import agent_pb2 as apb
 from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
@@ -241,16 +241,7 @@ class Fetcher:
             self.after_data()
         scratch = bytearray(n * HEADER_BYTES)
         peer.channel.read(headers, memoryview(scratch), max(0.001, t_end - time.perf_counter()))
-        valid = n
-        for i in range(n):
-            h = read_header(scratch, i * HEADER_BYTES)
-            if (
-                h.state != STORED
-                or h.generation != rec.generations[i]
-                or (h.block_hash != chain[i])
-            ):
-                valid = i
-                break
+        valid = valid_prefix(scratch, chain[:n], rec.generations[:n])
         invalid = n - valid
         if invalid:
             self.validation_failures += 1

@@ -87,6 +87,43 @@ def read_header(buf: memoryview | bytes | bytearray, offset: int = 0) -> SlotHea
     return SlotHeader(gen, state, bytes(h[:n]))
 
 
+def valid_prefix(
+    headers: bytes | bytearray | memoryview, hashes: Sequence[bytes], generations: Sequence[int]
+) -> int:
+    """How many leading blocks are still what the directory announced.
+
+    `headers` holds len(hashes) slot headers read from the holder *after* the
+    data (block i's at i x 64): block i is valid when its header is STORED
+    under generations[i] with hash hashes[i]. The first invalid block ends the
+    prefix. Vectorized: a fetch of thousands of blocks validates in microseconds.
+    """
+    import numpy as np  # the agent imports numpy anyway; kept local like memory.py
+
+    n = len(hashes)
+    if len(generations) != n or len(headers) < n * HEADER_BYTES:
+        raise ValueError(f"{n} hashes, {len(generations)} generations, {len(headers)} B headers")
+    if n == 0:
+        return 0
+    rows = np.frombuffer(headers, np.uint8, n * HEADER_BYTES).reshape(n, HEADER_BYTES)
+    want = np.zeros((n, HASH_BYTES_MAX), np.uint8)
+    lens = np.fromiter((len(h) for h in hashes), np.int64, n)
+    if int(lens.max()) > HASH_BYTES_MAX:
+        raise ValueError(f"a block hash is longer than {HASH_BYTES_MAX} bytes")
+    if int(lens.min()) == int(lens.max()):
+        want[:, : int(lens[0])] = np.frombuffer(b"".join(hashes), np.uint8).reshape(n, -1)
+    else:
+        for i, h in enumerate(hashes):
+            want[i, : len(h)] = np.frombuffer(h, np.uint8)
+    ok = (
+        (rows[:, :8].copy().view("<u8")[:, 0] == np.asarray(generations, np.uint64))
+        & (rows[:, 8] == STORED)
+        & (rows[:, 9] == lens)
+        & (rows[:, 16 : 16 + HASH_BYTES_MAX] == want).all(axis=1)
+    )
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if len(bad) else n
+
+
 class KvPool:
     """A pool file mapped read-write; slot allocation and header upkeep."""
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from transfer.base import Channel, PeerUnavailable, Region, Transport
 from transfer.memory import Registry, SharedMemory
+from transfer.paged import PagedLayout
 from transfer.rdma_support import RdmaOptions
 
 PREFERENCE = ("shm", "rdma", "tcp")
@@ -26,7 +27,10 @@ _BACKENDS = {
     "tcp": ("transfer.tcp", "TcpTransport"),
     "shm": ("transfer.shm", "ShmTransport"),
     "rdma": ("transfer.rdma", "RdmaTransport"),
+    "cuda": ("transfer.cuda_ipc", "CudaIpcTransport"),
 }
+DEVICE_BACKENDS = ("cuda",)
+"""Backends that expose GPU memory (`register_device`), never host pools."""
 REGISTER_FIRST = "rdma"
 """Registered first: its memory registration issues the rkey every backend shares."""
 
@@ -42,6 +46,8 @@ def _load(name: str) -> Any:
                 "install rdma-core's Python bindings (Debian: python3-pyverbs) or drop "
                 "'rdma' from transports (`python -m transfer.rdma_support` reports what exists)"
             ) from e
+        if name == "cuda":
+            raise ValueError(f"the cuda backend cannot be loaded here ({e})") from e
         raise
 
 
@@ -78,6 +84,8 @@ class TransferEngine:
                 if not shared:
                     raise ValueError("the shm backend needs the pools' shared memory")
                 self.transports[name] = factory(shared, registry=self.registry)
+            elif name == "cuda":
+                self.transports[name] = factory()
         self._lock = threading.Lock()
 
     @property
@@ -86,10 +94,32 @@ class TransferEngine:
 
     def register(self, memory: memoryview) -> Region:
         """Expose `memory` through every backend under one rkey."""
-        order = sorted(self.transports, key=lambda n: n != REGISTER_FIRST)
+        order = sorted(
+            (n for n in self.transports if n not in DEVICE_BACKENDS),
+            key=lambda n: n != REGISTER_FIRST,
+        )
         regions = {self.transports[n].register(memory) for n in order}
         assert len(regions) == 1, "backends disagree on a region"
         return regions.pop()
+
+    def register_device(self, memory: object, layout: PagedLayout | None = None) -> Region:
+        """Expose GPU memory (a CUDA tensor or array; `layout`: the paged KV layout
+        it holds) through the cuda backend. Its rkey is its own, not the host pool's."""
+        t = self.transports.get("cuda")
+        if t is None:
+            raise ValueError("GPU memory needs the 'cuda' transport")
+        from transfer.cuda_ipc import CudaIpcTransport
+
+        assert isinstance(t, CudaIpcTransport)
+        return t.register_device(memory, layout)
+
+    def open_device_channel(self, offered: Sequence[Descriptor]) -> Channel:
+        """A channel to a same-host peer's GPU regions (the cuda backend)."""
+        t = self.transports.get("cuda")
+        for d in offered:
+            if d.name == "cuda" and t is not None:
+                return t.connect(d.params)
+        raise PeerUnavailable("the peer offers no GPU regions this node can read")
 
     def descriptors(self) -> list[Descriptor]:
         return [Descriptor(n, t.descriptor()) for n, t in self.transports.items()]
