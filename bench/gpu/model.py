@@ -155,7 +155,6 @@ class Engine:
         self.lm_head = w(s.hidden, s.vocab)
         self.cos, self.sin = rope_tables(max_positions, s.head_dim, device)
 
-    @torch.inference_mode()
     def forward(
         self,
         cache: PagedKvCache,
@@ -168,6 +167,16 @@ class Engine:
         block_table[i] is the cache block of positions i*block_size.. and must
         cover start+T positions; positions < start must already be cached.
         """
+        with torch.inference_mode():  # a context, not the decorator: typed without torch
+            return self._forward(cache, tokens, start, block_table)
+
+    def _forward(
+        self,
+        cache: PagedKvCache,
+        tokens: torch.Tensor,
+        start: int,
+        block_table: torch.Tensor,
+    ) -> torch.Tensor:
         s = self.shape
         t = int(tokens.shape[0])
         total = start + t
