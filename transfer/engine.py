@@ -5,6 +5,10 @@ same region under the same rkey, which is what the directory publishes. For a
 peer, `open_channel` picks the best backend both sides offer: same-host
 shared memory first, then RDMA, then TCP. Backends are imported only when a
 configuration names them, so pyverbs or CUDA load only where chosen.
+
+GPU memory goes through `register_device` (the `cuda` backend, same-host CUDA
+IPC; docs/gpu.md) and is read through `open_device_channel`: it has its own
+rkey and never takes part in the host-pool channel choice above.
 """
 
 from __future__ import annotations
