@@ -74,7 +74,7 @@ class Settings:
     start_s: float = 0.0
     nodes: int = 16
     scenarios: tuple[str, ...] = DEFAULT_SCENARIOS
-    speedup: float = 4.0
+    speedup: float = 8.0
     model: str = "llama-70b"
     gpus_per_node: int = 8
     kv_gib_per_node: float = 1024.0
