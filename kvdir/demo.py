@@ -20,7 +20,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvdir.bench.replay import ReplayError, Settings, replay
+from kvdir.bench.replay import RUN_ERRORS, ReplayError, Settings, replay
 
 DEMO_NODES = 4
 DEMO_CONVERSATIONS = 60
@@ -69,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
     except ReplayError as e:
         print(f"kvdir demo: {e}", file=sys.stderr)
         return 2
+    except RUN_ERRORS as e:
+        print(f"kvdir demo: the real cluster failed: {e}", file=sys.stderr)
+        return 1
     print(rep.markdown())
     wrong = sum(r["real"]["wrong_blocks"] for r in rep.rows)
     mismatches = sum(r["real"]["model_mismatches"] for r in rep.rows)

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from directory.client import DirectoryClient
+from agent.engine_client import EngineError
+from directory.client import DirectoryClient, DirectoryError
 from kvdir.bench import report
 from kvdir.bench.replay import plots, results
 from kvdir.bench.replay.gpu import DECODE_BATCH_DEFAULT, GpuModel, ModelError
@@ -54,6 +55,7 @@ from kvdir.bench.replay.trace import (
     reusable_blocks,
     synthesize,
 )
+from kvdir.local import ClusterError
 
 DEFAULT_SCENARIOS = ("A", "B", "C", "C-rdma", "D")
 NODES_MAX = 64
@@ -64,6 +66,10 @@ GIB = 1 << 30
 
 class ReplayError(ValueError):
     """Bad settings: the CLI prints the message and exits non-zero."""
+
+
+RUN_ERRORS: tuple[type[Exception], ...] = (EngineError, ClusterError, DirectoryError, OSError)
+"""What a failing real component raises (an agent or replica gone, a pool file lost)."""
 
 
 @dataclass
@@ -125,7 +131,7 @@ class Report:
             results.turn_table(self.rows),
             "",
         ]
-        if any(r["real"]["fetches"] or r["scenario"] != "ideal" for r in self.rows):
+        if self.settings.real:
             out += ["### Real operations", "", results.real_table(self.rows), ""]
         if self.model_check:
             rows = [
@@ -239,6 +245,23 @@ def hit_rate(o: Outcome) -> float:
     )
 
 
+def nodes_sweep(
+    s: Settings, requests: Sequence[Request], reusable: Sequence[int]
+) -> dict[str, dict[int, float]]:
+    """Hit rate per node count for A, C and D (those of them that were asked for)."""
+    keys = [k for k in SWEEP_SCENARIOS if k in s.scenarios] if s.sweep else []
+    tick = _tick(s, "sweep", len(keys) * len(s.sweep))
+    out: dict[str, dict[int, float]] = {}
+    for i, key in enumerate(keys):
+        points = out.setdefault(SCENARIOS[key].label, {})
+        for j, n in enumerate(s.sweep):
+            setup = make_setup(s, requests, n)
+            points[n] = hit_rate(model_replay(SCENARIOS[key], requests, reusable, setup))
+            if tick is not None:
+                tick(i * len(s.sweep) + j + 1)
+    return out
+
+
 def replay(s: Settings) -> Report:
     s.check()
     t0 = time.monotonic()
@@ -257,15 +280,7 @@ def replay(s: Settings) -> Report:
         for o in outcomes:
             m = model_replay(SCENARIOS[o.scenario], requests, reusable, setup)
             check[o.scenario] = {"real": hit_rate(o), "model": hit_rate(m)}
-    sweep: dict[str, dict[int, float]] = {}
-    for key in SWEEP_SCENARIOS:
-        if key in s.scenarios and s.sweep:
-            sweep[SCENARIOS[key].label] = {
-                n: hit_rate(
-                    model_replay(SCENARIOS[key], requests, reusable, make_setup(s, requests, n))
-                )
-                for n in s.sweep
-            }
+    sweep = nodes_sweep(s, requests, reusable)
     expected_a = results.expected_local_hit_rate(requests, reusable, setup.nodes)
     rep = Report(s, setup, len(requests), rows, sweep, expected_a, check)
     rep.targets = results.targets(rows, expected_a)
@@ -406,6 +421,9 @@ def run(args: argparse.Namespace) -> int:
     except (ReplayError, TraceError) as e:
         print(f"kvdir bench replay: {e}", file=sys.stderr)
         return 2
+    except RUN_ERRORS as e:
+        print(f"kvdir bench replay: the real cluster failed: {e}", file=sys.stderr)
+        return 1
     head = report.header(started)
     head["wall_s"] = rep.wall_s
     head["source_fingerprint_end"] = report.source_fingerprint()
