@@ -142,3 +142,10 @@ def test_synthetic_trace_is_deterministic_multi_turn_and_round_trips(tmp_path: P
     assert [(r.hash_ids, r.turn, r.input_tokens) for r in back] == [
         (r.hash_ids, r.turn, r.input_tokens) for r in a
     ]
+
+
+@pytest.mark.parametrize("ids", [[[0, 1], [0, 2, 1]], [[0, 1], [1]], [[0, 0]]])
+def test_ids_that_are_not_prefix_chained_are_refused(tmp_path: Path, ids: list[list[int]]) -> None:
+    p = _write(tmp_path, [_line(t, chain) for t, chain in enumerate(ids)])
+    with pytest.raises(TraceError, match="prefix-chained"):
+        read_trace(p)

@@ -102,8 +102,28 @@ def read_trace(path: str | Path, limit: int = REQUESTS_MAX, start_s: float = 0.0
                 out.append(r)
     if not out:
         raise TraceError(f"{p}: no requests (after {start_s:.0f} s)")
+    check_chained(out, str(p))
     t0 = out[0].arrival_s
     return recover_turns(replace(r, arrival_s=r.arrival_s - t0) for r in out)
+
+
+def check_chained(requests: Sequence[Request], where: str = "trace") -> None:
+    """Every id must always sit behind the same id (prefix-chained, as Mooncake's are).
+
+    The replay's caches and the directory key blocks by id alone, so an id that
+    reappeared after a different prefix would be served with the wrong KV.
+    """
+    before: dict[int, int] = {}
+    for r in requests:
+        prev = -1
+        for b in r.hash_ids:
+            known = before.setdefault(b, prev)
+            if known != prev:
+                raise TraceError(
+                    f"{where}: request {r.index + 1}: hash id {b} follows {prev}, earlier "
+                    f"{known} (-1: first); hash_ids must be prefix-chained"
+                )
+            prev = b
 
 
 def recover_turns(requests: Iterable[Request]) -> list[Request]:
