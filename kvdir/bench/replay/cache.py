@@ -51,17 +51,6 @@ class NodeCache:
             if b in self._lru:
                 self._lru.move_to_end(b)
 
-    def evict_over(self, protect: int = 0) -> list[tuple[int, int]]:
-        """Drop least recently used (block, slot) pairs until within capacity.
-
-        The `protect` most recent entries (the request being served) are never
-        taken; if they alone exceed the capacity the cache stays over it.
-        """
-        out = []
-        while len(self._lru) > self.capacity_blocks and len(self._lru) > protect:
-            out.append(self._lru.popitem(last=False))
-        return out
-
     def make_room(self, incoming: int) -> list[tuple[int, int]]:
         """Evict so that `incoming` new blocks fit (never below zero entries)."""
         out = []
