@@ -1,5 +1,5 @@
 # Two commands on a fresh machine (each installs what it needs into .venv):
-#   make demo   the main job: a local 3-replica directory and a real workload
+#   make demo   the main job: a short cluster replay (real directory and agents, simulated GPUs)
 #   make test   lint, types, proto drift, and the test suite
 PYTHON ?= python3
 VENV := .venv

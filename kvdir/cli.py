@@ -4,8 +4,9 @@
     kvdir ctl status|nodes|lookup   inspect a running directory
     kvdir ctl wait-ready    block until replicas (or an agent) are ready; a systemd gate
     kvdir ctl check-hashes   the hashes a vLLM engine will publish, and a live check
-    kvdir demo              a local 3-replica cluster, a real publish/lookup workload
+    kvdir demo              a short cluster replay: real directory and agents, simulated GPUs
     kvdir bench directory   the directory benchmark
+    kvdir bench replay      the seed's cluster experiment on a trace (docs/replay.md)
 
 Failures print one line, ``kvdir: error: ...``, and exit non-zero.
 """

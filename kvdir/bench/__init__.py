@@ -23,6 +23,9 @@ def add_parsers(sub: Any) -> None:
     from kvdir.bench import events
 
     events.add_parser(kinds)
+    from kvdir.bench import replay
+
+    replay.add_parser(kinds)
 
 
 __all__ = ["add_parsers", "argparse"]
