@@ -34,6 +34,7 @@ from pysyncobj.node import TCPNode
 
 from directory import codec, snapshot
 from directory.commands import Barrier, Command, Result
+from directory.membership import FencedTransport
 from directory.table import Table
 
 log = logging.getLogger("kvdir.directory.raft")
@@ -165,6 +166,13 @@ def trim_append_entries(
     return out
 
 
+def _label_kwargs(label: Any) -> dict[str, str]:
+    """TCPNode keyword attributes from a snapshot's [replica id, gRPC address] label."""
+    if not isinstance(label, list) or len(label) != 2:
+        return {}
+    return {"kvdir_id": str(label[0]), "kvdir_grpc": str(label[1])}
+
+
 @dataclass(slots=True)
 class _Round:
     """One barrier serving every linearizable read that joined it."""
@@ -183,8 +191,10 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
         data_dir: str,
         tuning: RaftTuning | None = None,
         on_state_changed: Callable[[int, int], None] | None = None,
+        cluster_id: str = "",
     ) -> None:
         tuning = tuning or RaftTuning()
+        self.kvdir_cluster_id = cluster_id  # read by FencedTransport (directory/membership.py)
         os.makedirs(data_dir, exist_ok=True)
         self.lock = threading.Lock()
         self.table = Table()
@@ -222,7 +232,7 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
         self._keepalive_s = tuning.keepalive_s
         self._leader_loss_spread_s = tuning.election_max_s - tuning.election_min_s
         self._next_keepalive = 0.0
-        super().__init__(self_address, peer_addresses, conf)
+        super().__init__(self_address, peer_addresses, conf, transportClass=FencedTransport)
         self._SyncObj__raftElectionDeadline = raft_clock() + tuning.startup_grace_s
 
     # ------------------------------------------------------------ raft safety
@@ -371,6 +381,52 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
             out.append((str(node.address), bool(self.isNodeConnected(node)), False))
         return out
 
+    def member_labels(self) -> dict[str, tuple[str, str]]:
+        """Raft address -> (replica id, gRPC address) recorded by `kvdir ctl add-replica`.
+
+        The labels travel inside pysyncobj's membership entry (TCPNode keeps
+        keyword attributes) and in our snapshots, so members added at run time
+        are named on every replica, not only on those whose config lists them.
+        """
+        out: dict[str, tuple[str, str]] = {}
+        for node in list(self.otherNodes):
+            rid, grpc_addr = getattr(node, "kvdir_id", ""), getattr(node, "kvdir_grpc", "")
+            if rid or grpc_addr:
+                out[str(node.address)] = (str(rid), str(grpc_addr))
+        return out
+
+    def member_addresses(self) -> list[str]:
+        """The Raft addresses of the current membership (self included), sorted."""
+        return sorted([str(self.selfNode.address), *(str(n.address) for n in self.otherNodes)])
+
+    def capture_applied(self, timeout_s: float) -> tuple[snapshot.Image, int, int, list[str]]:
+        """(image, applied index, its term, members), taken on the Raft thread between applies.
+
+        On any other thread the applied index may trail the table by an entry
+        (pysyncobj bumps it after the apply returns); a tick callback runs
+        where neither moves. Raises TimeoutError if the Raft thread is stuck.
+        """
+        box: list[tuple[snapshot.Image, int, int, list[str]]] = []
+        done = threading.Event()
+
+        def on_tick() -> None:
+            if done.is_set():
+                return
+            idx = int(self.raftLastApplied)
+            entry = self._entry_at(idx)
+            with self.lock:
+                image = snapshot.capture(self.table)
+            box.append((image, idx, entry[2] if entry else 0, self.member_addresses()))
+            done.set()
+
+        self.addOnTickCallback(on_tick)
+        try:
+            if not done.wait(timeout_s):
+                raise TimeoutError(f"the raft thread took no snapshot within {timeout_s:.1f}s")
+        finally:
+            self.removeOnTickCallback(on_tick)
+        return box[0]
+
     # ------------------------------------------------------------- snapshots
 
     def _serialize(self, _tmp_file: str, data: tuple[Any, Any, Any]) -> None:
@@ -386,7 +442,14 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
             self._snap_state = SERIALIZER_STATE.SERIALIZING
         entry_last, entry_prev, cluster = data
         image = snapshot.capture(self.table)
-        raft = {"cluster": sorted(str(n.address) for n in cluster)}
+        raft = {
+            "cluster": sorted(str(n.address) for n in cluster),
+            "labels": {
+                str(n.address): [getattr(n, "kvdir_id", ""), getattr(n, "kvdir_grpc", "")]
+                for n in cluster
+                if getattr(n, "kvdir_id", "") or getattr(n, "kvdir_grpc", "")
+            },
+        }
         capture_s = time.perf_counter() - t0
         threading.Thread(
             target=self._write_dump,
@@ -434,6 +497,7 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
         table, raft, entries = snapshot.read(path)
         with self.lock:
             self.table = table
-        cluster = {TCPNode(addr) for addr in raft["cluster"]}
+        labels = raft.get("labels", {})
+        cluster = {TCPNode(addr, **_label_kwargs(labels.get(addr))) for addr in raft["cluster"]}
         log.info("snapshot loaded", extra={"entries": table.entries})
         return entries[0], entries[1], cluster
