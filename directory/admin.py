@@ -29,7 +29,7 @@ from pysyncobj.node import TCPNode
 from directory import backup
 from directory.config import DirectoryConfig
 from directory.membership import MembershipError, parse_raft_address
-from directory.raft import DirectoryReplica
+from directory.raft import DirectoryReplica, Outcome
 from proto.kvdir.v1 import directory_pb2 as pb
 from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
 
@@ -227,6 +227,15 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
         if not self._backup_slot.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "a backup is already running here")
         try:
+            if not request.skip_barrier:
+                res = self.replica.barrier(CAPTURE_TIMEOUT_S)
+                if res.outcome is not Outcome.COMMITTED:
+                    self._abort(
+                        context,
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"backup barrier failed ({res.reason}); with no quorum, "
+                        "back up with --skip-barrier or use `kvdir directory recover`",
+                    )
             try:
                 image, index, term, members = self.replica.capture_applied(CAPTURE_TIMEOUT_S)
             except TimeoutError as e:

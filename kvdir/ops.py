@@ -117,7 +117,7 @@ def cmd_backup(args: argparse.Namespace) -> int:
             with grpc.insecure_channel(addr) as ch, open(tmp, "wb") as f:
                 got = 0
                 for chunk in pb_grpc.DirectoryAdminStub(ch).Backup(
-                    pb.BackupRequest(), timeout=args.timeout
+                    pb.BackupRequest(skip_barrier=args.skip_barrier), timeout=args.timeout
                 ):
                     got += len(chunk.data)
                     if got > BACKUP_BYTES_MAX:
@@ -203,6 +203,11 @@ def add_ctl_parsers(ctl: Any, default_addrs: str) -> None:
     b.add_argument("--out", required=True, help="the backup file to write")
     b.add_argument("--addr", default=default_addrs, help="replicas to try, in order")
     b.add_argument("--timeout", type=float, default=120.0)
+    b.add_argument(
+        "--skip-barrier",
+        action="store_true",
+        help="no Raft barrier first: what the replica applied (works without a quorum)",
+    )
     b.set_defaults(func=cmd_backup)
 
 

@@ -950,12 +950,20 @@ class BackupRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    SKIP_BARRIER_FIELD_NUMBER: _builtins.int
+    skip_barrier: _builtins.bool
+    """Default: first a read barrier through Raft, so the backup holds every
+    write acknowledged before the call (needs a quorum). true: whatever this
+    replica has applied, with no barrier (works without a quorum).
+    """
     def __init__(
         self,
+        *,
+        skip_barrier: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["skip_barrier", b"skip_barrier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
