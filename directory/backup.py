@@ -23,6 +23,7 @@ includes), ``entries``, the Raft ``members`` then, the body's size and its
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import io
 import json
@@ -250,9 +251,15 @@ def restore(
 
 
 class _NoGlobals(pickle.Unpickler):
-    """pysyncobj wraps our command bytes in a pickle of (id, (blob,)); nothing else is allowed."""
+    """pysyncobj wraps our command bytes in a pickle of (id, (blob,)); nothing else is allowed.
+
+    Its pickles use protocol 2, which spells a bytes object as a call of
+    ``_codecs.encode`` (a pure function); any other global is refused.
+    """
 
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("_codecs", "encode"):
+            return codecs.encode
         raise BackupError(f"journal entry names {module}.{name}: not a kvdir command")
 
 
@@ -292,15 +299,23 @@ def _journal_entries(data_dir: str) -> tuple[list[tuple[bytes, int, int]], int]:
     with tempfile.TemporaryDirectory(prefix="kvdir-recover-") as d:
         copy = os.path.join(d, "journal.bin")
         shutil.copyfile(src, copy)
-        if os.path.exists(src + ".meta"):
-            shutil.copyfile(src + ".meta", copy + ".meta")
         journal = createJournal(copy)
         try:
             entries = [tuple(journal[i]) for i in range(len(journal))]
-            commit = int(journal.getRaftCommitIndex() or 0)
         finally:
             journal._destroy()
-    return [(bytes(c), int(i), int(t)) for c, i, t in entries], commit
+    return [(bytes(c), int(i), int(t)) for c, i, t in entries], _commit_index(src + ".meta")
+
+
+def _commit_index(meta_path: str) -> int:
+    """The commit index pysyncobj last saved (about once a second); 0 when unknown."""
+    try:
+        with open(meta_path, "rb") as f:
+            meta = _NoGlobals(f).load()
+    except (OSError, pickle.UnpicklingError, EOFError, ValueError, BackupError):
+        return 0
+    value = meta.get("raftCommitIndex", 0) if isinstance(meta, dict) else 0
+    return value if isinstance(value, int) else 0
 
 
 def recover_state(data_dir: str) -> Recovered:
