@@ -9,7 +9,9 @@ service adds the checks pysyncobj leaves to the caller:
   already (ALREADY_EXISTS), a removed one is one (NOT_FOUND);
 - the change keeps a quorum of members this leader can reach: adding a
   member that is not running yet raises the quorum, and removing a live
-  member while others are down can leave too few (FAILED_PRECONDITION);
+  member while others are down can leave too few (FAILED_PRECONDITION).
+  A single-member cluster may still add one: growing 1 -> 2 always pauses
+  writes until the new member has caught up;
 - the leader does not remove itself (pysyncobj refuses); it hands leadership
   to a caught-up follower instead and says to retry there.
 """
@@ -171,7 +173,8 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
             if addr in members:
                 self._abort(context, grpc.StatusCode.ALREADY_EXISTS, f"{addr} is already a member")
             # The new member counts toward the quorum at once but is not caught up yet.
-            if not quorum_ok(self._reachable(members), len(members) + 1):
+            # A lone member cannot grow without that pause (2 of 2), so it may.
+            if len(members) > 1 and not quorum_ok(self._reachable(members), len(members) + 1):
                 self._abort(
                     context,
                     grpc.StatusCode.FAILED_PRECONDITION,

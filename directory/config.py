@@ -61,6 +61,9 @@ class DirectoryConfig:
     cluster_id: str = ""
     """Set by `kvdir directory restore/recover` in the data dir; give it here only to
     join a restored cluster with an empty data dir (docs/operations.md)."""
+    join: bool = False
+    """Joining a running cluster (`kvdir ctl add-replica`): never campaign before
+    hearing from its leader. Only for the first start of an added replica."""
     limits: RequestLimits = field(default_factory=RequestLimits)
     raft: RaftTuning = field(default_factory=RaftTuning)
 

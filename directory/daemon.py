@@ -77,6 +77,7 @@ class DirectoryDaemon:
                 cfg.raft,
                 on_state_changed=self._on_state_changed,
                 cluster_id=cluster_id,
+                join=cfg.join,
             )
         except OSError as e:
             raise StartError(f"cannot open data dir {cfg.data_dir}: {e}") from e

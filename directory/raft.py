@@ -192,6 +192,7 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
         tuning: RaftTuning | None = None,
         on_state_changed: Callable[[int, int], None] | None = None,
         cluster_id: str = "",
+        join: bool = False,
     ) -> None:
         tuning = tuning or RaftTuning()
         self.kvdir_cluster_id = cluster_id  # read by FencedTransport (directory/membership.py)
@@ -234,6 +235,8 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
         self._next_keepalive = 0.0
         super().__init__(self_address, peer_addresses, conf, transportClass=FencedTransport)
         self._SyncObj__raftElectionDeadline = raft_clock() + tuning.startup_grace_s
+        self._joining = join
+        """Never campaign before a leader has been heard from (a replica being added)."""
 
     # ------------------------------------------------------------ raft safety
 
@@ -247,6 +250,14 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
         Pinging keeps every link warm. Runs on the Raft thread (the transport
         is not thread-safe).
         """
+        if self._joining:
+            # Until the leader adds it, a joining replica's dials are refused right
+            # after they connect; campaigning meanwhile would only inflate its term,
+            # and that term would depose the leader the moment it is added.
+            if self._SyncObj__raftLeader is not None:
+                self._joining = False
+            else:
+                self._SyncObj__raftElectionDeadline = raft_clock() + self._leader_loss_spread_s + 1
         super()._onTick(timeToWait)
         now = time.monotonic()
         if now >= self._next_keepalive:

@@ -49,6 +49,7 @@ def _serve_config(args: argparse.Namespace) -> DirectoryConfig:
         "log_format": args.log_format,
         "enable_echo": True if args.enable_echo else None,
         "cluster_id": args.cluster_id,
+        "join": True if args.join else None,
     }
     peers = [parse_peer(p) for p in args.peer]
     tune = _tuning(args.tune)
@@ -513,6 +514,11 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     )
     s.add_argument(
         "--cluster-id", help="join a restored cluster with an empty data dir (operations.md)"
+    )
+    s.add_argument(
+        "--join",
+        action="store_true",
+        help="first start of a replica being added: never campaign before a leader is heard",
     )
     s.add_argument("--log-format", choices=["json", "text"])
     s.add_argument("--log-level", default="INFO")

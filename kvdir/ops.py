@@ -181,7 +181,7 @@ def cmd_recover(args: argparse.Namespace) -> int:
         f"new cluster {out.cluster_id} with members {','.join(out.members)}; {args.data_dir} "
         f"is ready.\nfor every other new member, on an empty data dir:\n"
         f"  kvdir directory restore {args.out} --data-dir DATA_DIR\n"
-        f"then start every member with the new members as peers ({header.sha256[:12]})"
+        f"then start every member with the new members as peers (sha256 {header.sha256})"
     )
     return 0
 

@@ -90,7 +90,7 @@ def test_add_lose_leader_remove_under_load(tmp_path: Path) -> None:
         for r in spare:
             r.member = True
             cluster.size += 1
-            r.extra_args = list(SNAPSHOT_OFTEN)
+            r.extra_args = [*SNAPSHOT_OFTEN, "--join"]
             out = kvdir_ok(
                 "ctl", "add-replica", r.raft_address, "--addr", addrs,
                 "--id", r.replica_id, "--grpc", r.grpc_address,

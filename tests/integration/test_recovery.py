@@ -33,6 +33,7 @@ from tests.integration.helpers import (
     register,
     status,
     wait_all_serving,
+    wait_converged,
 )
 from tests.integration.load import Load, kvdir_ok, missing_on
 
@@ -137,5 +138,64 @@ def test_recover_from_a_lone_survivor(tmp_path: Path) -> None:
         seen = [m for r in others for m in status(r).members if m.raft_address == old.raft_address]
         assert len(seen) == 2 and not any(m.connected for m in seen)
         assert time.monotonic() - t < 10
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.timeout(120)
+def test_recover_to_a_single_member_then_add_a_replica(tmp_path: Path) -> None:
+    """The one-host path: the survivor alone becomes the cluster; replacements join later."""
+    cluster = LocalCluster(str(tmp_path / "cluster"), size=3)
+    rec = str(tmp_path / "single.kvdb")
+    try:
+        cluster.start(30)
+        wait_all_serving(cluster)
+        space = ns("recovery/single")
+        with cluster.client(timeout_s=10) as c:
+            register(c, NODE, lease_ms=LONG_LEASE_MS)
+            for k in range(20):
+                publish(c, NODE, 1, space, [h(k, SALT)], first=k)
+        wait_converged(cluster)
+        survivor, *lost = cluster.replicas
+        for r in lost:
+            cluster.kill(r)
+            shutil.rmtree(r.data_dir)
+            cluster.mark_removed(r)
+        lost_peers = [f"{r.replica_id}={r.raft_address},{r.grpc_address}" for r in lost]
+        stale_config = cluster.command(survivor) + [
+            arg for p in lost_peers for arg in ("--peer", p)
+        ]
+        cluster.kill(survivor, signal.SIGTERM)
+        kvdir_ok(
+            "directory", "recover", "--data-dir", survivor.data_dir,
+            "--new-members", survivor.raft_address, "--out", rec,
+        )  # fmt: skip
+        # Started on its old config (the lost peers still listed): the recovered
+        # membership, one member, wins, so it leads alone.
+        cluster.launch(survivor, stale_config)
+        assert cluster.wait_leader(20) is survivor
+        term = status(survivor).term
+        r4 = cluster.new_replica()
+        r4.extra_args = ["--join", "--cluster-id", backup.load_backup(rec)[0].new_cluster_id()]
+        # 1 -> 2 needs the new member to commit the change: start it first, then add it.
+        cluster.launch(r4)
+        kvdir_ok("ctl", "add-replica", r4.raft_address, "--addr", survivor.grpc_address)
+        with DirectoryClient([r4.grpc_address], timeout_s=10) as c:
+
+            def r4_has_all() -> bool:
+                try:
+                    resp = c.lookup(space, [h(k, SALT) for k in range(20)], linearizable=False)
+                except Unavailable:
+                    return False
+                return [(m.node_id, m.prefix_blocks) for m in resp.matches] == [(NODE, 20)]
+
+            wait_for(r4_has_all, 30, "r4 to hold the 20 recovered blocks", 0.1)
+        assert {m.raft_address for m in status(survivor).members} == {
+            survivor.raft_address,
+            r4.raft_address,
+        }
+        # The joiner never campaigned: the survivor kept its leadership and its term.
+        assert cluster.wait_leader(10) is survivor
+        assert status(r4).term == status(survivor).term == term
     finally:
         cluster.stop()
