@@ -110,6 +110,7 @@ def outcome_of(error: int) -> tuple[Outcome, str]:
 
 _KEEPALIVE = {"type": "kvdir_keepalive"}
 _FOLLOWER = 0  # pysyncobj's _RAFT_STATE.FOLLOWER
+_LEADER = 2  # pysyncobj's _RAFT_STATE.LEADER
 
 RaftEntry = tuple[bytes, int, int]
 """(command, index, term) as pysyncobj keeps log entries."""
@@ -232,6 +233,7 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
         )
         self._keepalive_s = tuning.keepalive_s
         self._leader_loss_spread_s = tuning.election_max_s - tuning.election_min_s
+        self._election_s = (tuning.election_min_s, tuning.election_max_s)
         self._next_keepalive = 0.0
         super().__init__(self_address, peer_addresses, conf, transportClass=FencedTransport)
         self._SyncObj__raftElectionDeadline = raft_clock() + tuning.startup_grace_s
@@ -280,6 +282,19 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
         if node == self._SyncObj__raftLeader and self._SyncObj__raftState == _FOLLOWER:
             soon = raft_clock() + random.uniform(0.0, self._leader_loss_spread_s)
             self._SyncObj__raftElectionDeadline = min(self._SyncObj__raftElectionDeadline, soon)
+
+    def _SyncObj__setState(self, newState: int) -> None:  # noqa: N802, N803
+        """A leader that steps down waits a fresh election timeout before campaigning.
+
+        pysyncobj leaves a leader's (long expired) election deadline as it was,
+        so a deposed leader campaigned on its next tick; after a leadership
+        hand-over (`kvdir ctl remove-replica` of the leader) it often won back
+        at once, over and over. Runs on the Raft thread.
+        """
+        was_leader = self._SyncObj__raftState == _LEADER
+        super()._SyncObj__setState(newState)
+        if was_leader and newState != _LEADER:
+            self._SyncObj__raftElectionDeadline = raft_clock() + random.uniform(*self._election_s)
 
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:  # noqa: N802
         """Every message from a peer; appends are trimmed first (`trim_append_entries`)."""

@@ -102,8 +102,7 @@ def test_add_lose_leader_remove_under_load(tmp_path: Path) -> None:
             load.wait_acked_after(t, 100, 20, f"publishes while {r.replica_id} joins")
             wait_caught_up(cluster, r)
         r4, r5 = spare
-        stale_r4 = commands[r4.replica_id]  # peers r1, r2, r3: what it was started with
-        assert r5.raft_address not in " ".join(stale_r4)
+        assert r5.raft_address not in " ".join(commands[r4.replica_id])  # r4's peers: r1-r3
         five = {r.raft_address for r in cluster.replicas}
         wait_for(
             lambda: all(members_of(r) == five for r in live(cluster)),
@@ -130,8 +129,9 @@ def test_add_lose_leader_remove_under_load(tmp_path: Path) -> None:
         assert cluster.wait_leader(15) is not old
         load.wait_acked_after(killed, 200, 20, "publishes after the leader died")
 
-        # Remove the dead leader and one live original; stop the latter.
-        gone = next(r for r in original if r is not old and r is not cluster.wait_leader(10))
+        # Remove the dead leader and the live new leader (it hands leadership over
+        # first; the CLI retries on its successor); stop the latter.
+        gone = cluster.wait_leader(10)
         for r in (old, gone):
             out = kvdir_ok("ctl", "remove-replica", r.raft_address, "--addr", addrs)
             assert f"removed {r.raft_address}" in out
@@ -146,15 +146,17 @@ def test_add_lose_leader_remove_under_load(tmp_path: Path) -> None:
         shown = kvdir_ok("ctl", "status", "--addr", addrs)
         assert "MEMBERS (3," in shown, shown
 
-        # The membership survives a restart on a stale config (peers r1, r2, r3).
-        cluster.kill(r4, signal.SIGTERM)
-        cluster.launch(r4, stale_r4)
+        # The membership survives a restart on a stale config (peers r1, r2, r3 for r4;
+        # r1-r4 for r5).
+        back = r4 if r4.member else r5
+        cluster.kill(back, signal.SIGTERM)
+        cluster.launch(back, commands[back.replica_id])
         wait_for(
-            lambda: r4.replica_id in cluster.statuses() and members_of(r4) == three,
+            lambda: back.replica_id in cluster.statuses() and members_of(back) == three,
             20,
-            "r4 to come back with the current 3 members",
+            f"{back.replica_id} to come back with the current 3 members",
         )
-        wait_caught_up(cluster, r4)
+        wait_caught_up(cluster, back)
 
         # The removed two no longer count: one more failure leaves 2 of 3, still a quorum
         # (with them counted it would be 2 of 5, none).
