@@ -260,6 +260,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     else:
         print(format_status(out))
+        print()
         print(format_members(out))
     return 0
 
