@@ -243,7 +243,8 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
                 image, index, term, members = self.replica.capture_applied(CAPTURE_TIMEOUT_S)
             except TimeoutError as e:
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-            body = backup.snapshot_bytes(image, members, index)
+            # Staged in the data dir: writable wherever the replica runs, and on disk.
+            body = backup.snapshot_bytes(image, members, index, self.cfg.data_dir)
             header = backup.make_header(
                 body,
                 kind="backup",

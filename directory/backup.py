@@ -81,9 +81,11 @@ class Header:
 # ------------------------------------------------------------------ the file
 
 
-def snapshot_bytes(image: snapshot.Image, members: list[str], index: int) -> bytes:
-    """The body: `image` as a snapshot anchored at `index`."""
-    with tempfile.TemporaryDirectory(prefix="kvdir-backup-") as d:
+def snapshot_bytes(
+    image: snapshot.Image, members: list[str], index: int, tmp_dir: str | None = None
+) -> bytes:
+    """The body: `image` as a snapshot anchored at `index` (staged under `tmp_dir`)."""
+    with tempfile.TemporaryDirectory(prefix="kvdir-backup-", dir=tmp_dir) as d:
         path = os.path.join(d, "snapshot.bin")
         snapshot.write(image, path, {"cluster": sorted(members)}, anchors(index))
         with open(path, "rb") as f:
