@@ -39,7 +39,7 @@ from typing import Any, BinaryIO
 
 from directory import codec, snapshot
 from directory.commands import Command
-from directory.membership import parse_raft_address, write_cluster_id
+from directory.membership import lock_data_dir, parse_raft_address, write_cluster_id
 from directory.table import Table
 
 MAGIC = b"KVDBACK\x00"
@@ -231,6 +231,16 @@ def restore(
     chosen = sorted({parse_raft_address(m) for m in (members or header.members)})
     if not chosen:
         raise BackupError("no members: give --members RAFT_HOST:PORT,...")
+    lock = lock_data_dir(data_dir)
+    try:
+        return _restore_locked(header, body, table, chosen, data_dir, cluster_id)
+    finally:
+        os.close(lock)
+
+
+def _restore_locked(
+    header: Header, body: bytes, table: Table, chosen: list[str], data_dir: str, cluster_id: str
+) -> Restored:
     present = _has_data(data_dir)
     if present:
         raise BackupError(
@@ -373,6 +383,21 @@ def recover(
     )
     write_backup(out, header, body)
     return header, state
+
+
+def recover_in_place(
+    data_dir: str, new_members: list[str], out: str, source_replica: str = ""
+) -> tuple[Header, Recovered, str, Restored]:
+    """`recover`, set the old files aside, restore `out` into `data_dir`: all under its lock."""
+    lock = lock_data_dir(data_dir)
+    try:
+        header, state = recover(data_dir, new_members, out, source_replica)
+        aside = set_aside(data_dir)
+        _, body = load_backup(out)
+        restored = _restore_locked(header, body, state.table, header.members, data_dir, "")
+    finally:
+        os.close(lock)
+    return header, state, aside, restored
 
 
 def set_aside(data_dir: str, now: float | None = None) -> str:

@@ -20,7 +20,7 @@ from prometheus_client import start_http_server
 
 from directory.admin import AdminService
 from directory.config import DirectoryConfig
-from directory.membership import MembershipError, resolve_cluster_id
+from directory.membership import MembershipError, lock_data_dir, resolve_cluster_id
 from directory.metrics import DirectoryMetrics
 from directory.raft import DirectoryReplica
 from directory.server import (
@@ -66,6 +66,7 @@ class DirectoryDaemon:
     def start(self) -> None:
         cfg = self.cfg
         try:
+            self._lock_fd = lock_data_dir(cfg.data_dir)
             cluster_id = resolve_cluster_id(cfg.data_dir, cfg.cluster_id)
         except (MembershipError, OSError) as e:
             raise StartError(str(e)) from e

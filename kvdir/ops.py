@@ -164,11 +164,9 @@ def cmd_recover(args: argparse.Namespace) -> int:
     if os.path.exists(args.out):
         raise OpsError(f"{args.out} exists; choose a new --out")
     try:
-        header, state = backup.recover(
+        header, state, aside, out = backup.recover_in_place(
             args.data_dir, _addrs(args.new_members), args.out, args.replica_id or ""
         )
-        aside = backup.set_aside(args.data_dir)
-        out = backup.restore(args.out, args.data_dir)
     except (backup.BackupError, MembershipError) as e:
         raise OpsError(str(e)) from e
     except OSError as e:

@@ -35,7 +35,7 @@ from tests.integration.helpers import (
     wait_all_serving,
     wait_converged,
 )
-from tests.integration.load import Load, kvdir_ok, missing_on
+from tests.integration.load import Load, kvdir, kvdir_ok, missing_on
 
 pytestmark = pytest.mark.integration
 
@@ -84,6 +84,13 @@ def test_recover_from_a_lone_survivor(tmp_path: Path) -> None:
         shutil.copytree(lost[1].data_dir, stale_copy)  # "a disk that turns up later"
         for r in lost:
             shutil.rmtree(r.data_dir)
+        # Never on a running replica's data dir (it holds a lock on it).
+        res = kvdir(
+            "directory", "recover", "--data-dir", survivor.data_dir,
+            "--new-members", survivor.raft_address, "--out", rec,
+        )  # fmt: skip
+        assert res.returncode == 1 and "in use by another process" in res.stderr, res.stderr
+        assert not Path(rec).exists()
         cluster.kill(survivor, signal.SIGTERM)
 
         held = blocks_in_log(survivor.data_dir)

@@ -13,8 +13,10 @@ from pysyncobj.node import TCPNode
 from directory import backup, codec, snapshot
 from directory.admin import quorum_ok
 from directory.membership import (
+    DataDirBusy,
     MembershipError,
     hello,
+    lock_data_dir,
     parse_raft_address,
     read_cluster_id,
     resolve_cluster_id,
@@ -161,6 +163,19 @@ def test_cluster_id_is_adopted_once_and_then_enforced(tmp_path: Path) -> None:
         resolve_cluster_id(d, "c2")
     with pytest.raises(MembershipError):
         resolve_cluster_id(str(tmp_path / "e"), "bad id!")
+
+
+def test_a_data_dir_is_held_by_one_process_at_a_time(tmp_path: Path) -> None:
+    d = str(tmp_path / "d")
+    fd = lock_data_dir(d)
+    try:
+        with pytest.raises(DataDirBusy, match="in use by another process"):
+            lock_data_dir(d)
+        with pytest.raises(DataDirBusy):
+            backup.restore(backup_file(tmp_path, sample_table()), d)
+    finally:
+        os.close(fd)
+    os.close(lock_data_dir(d))
 
 
 def test_hello_is_the_bare_address_without_a_cluster_id() -> None:
