@@ -23,12 +23,15 @@ Example (deploy/config/directory.toml has a commented one)::
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
 from directory.limits import LEASE_MS_DEFAULT, RequestLimits
 from directory.raft import RaftTuning
+
+_CLUSTER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 class ConfigError(ValueError):
@@ -55,6 +58,12 @@ class DirectoryConfig:
     enable_echo: bool = False
     grpc_workers: int = 32
     log_format: str = "json"
+    cluster_id: str = ""
+    """Set by `kvdir directory restore/recover` in the data dir; give it here only to
+    join a restored cluster with an empty data dir (docs/operations.md)."""
+    join: bool = False
+    """Joining a running cluster (`kvdir ctl add-replica`): never campaign before
+    hearing from its leader. Only for the first start of an added replica."""
     limits: RequestLimits = field(default_factory=RequestLimits)
     raft: RaftTuning = field(default_factory=RaftTuning)
 
@@ -138,6 +147,8 @@ def _check(cfg: DirectoryConfig) -> None:
             raise ConfigError(f"[limits] {f.name} must be > 0")
     if cfg.limits.lookup_nodes_default > cfg.limits.lookup_nodes_max:
         raise ConfigError("[limits] lookup_nodes_default must be <= lookup_nodes_max")
+    if cfg.cluster_id and not _CLUSTER_ID_RE.match(cfg.cluster_id):
+        raise ConfigError("cluster_id must be 1-64 of [A-Za-z0-9_.-]")
     if cfg.log_format not in ("json", "text"):
         raise ConfigError("log_format must be 'json' or 'text'")
     if cfg.grpc_workers <= 0 or cfg.lease_sweep_ms <= 0 or cfg.lease_default_ms <= 0:

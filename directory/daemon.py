@@ -18,7 +18,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from directory.admin import AdminService
 from directory.config import DirectoryConfig
+from directory.membership import MembershipError, lock_data_dir, resolve_cluster_id
 from directory.metrics import DirectoryMetrics
 from directory.raft import DirectoryReplica
 from directory.server import (
@@ -64,12 +66,19 @@ class DirectoryDaemon:
     def start(self) -> None:
         cfg = self.cfg
         try:
+            self._lock_fd = lock_data_dir(cfg.data_dir)
+            cluster_id = resolve_cluster_id(cfg.data_dir, cfg.cluster_id)
+        except (MembershipError, OSError) as e:
+            raise StartError(str(e)) from e
+        try:
             self.replica = DirectoryReplica(
                 cfg.raft_address,
                 [p.raft_address for p in cfg.peers],
                 cfg.data_dir,
                 cfg.raft,
                 on_state_changed=self._on_state_changed,
+                cluster_id=cluster_id,
+                join=cfg.join,
             )
         except OSError as e:
             raise StartError(f"cannot open data dir {cfg.data_dir}: {e}") from e
@@ -102,8 +111,11 @@ class DirectoryDaemon:
             ],
         )
         pb_grpc.add_PrefixDirectoryServicer_to_server(service, server)
+        admin = AdminService(cfg, replica, service.leader_grpc, service.label, cluster_id)
+        pb_grpc.add_DirectoryAdminServicer_to_server(admin, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        names = [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME]
+        admin_name = pb.DESCRIPTOR.services_by_name["DirectoryAdmin"].full_name
+        names = [SERVICE_NAME, admin_name, health.SERVICE_NAME, reflection.SERVICE_NAME]
         if cfg.enable_echo:
             pb_grpc.add_EchoServicer_to_server(EchoService(), server)
             names.append(pb.DESCRIPTOR.services_by_name["Echo"].full_name)
@@ -142,6 +154,8 @@ class DirectoryDaemon:
                 "grpc": cfg.grpc_address,
                 "metrics": cfg.metrics_address,
                 "peers": [p.replica_id for p in cfg.peers],
+                "members": replica.member_addresses(),
+                "cluster_id": cluster_id,
             },
         )
 

@@ -34,6 +34,7 @@ from pysyncobj.node import TCPNode
 
 from directory import codec, snapshot
 from directory.commands import Barrier, Command, Result
+from directory.membership import FencedTransport
 from directory.table import Table
 
 log = logging.getLogger("kvdir.directory.raft")
@@ -109,6 +110,7 @@ def outcome_of(error: int) -> tuple[Outcome, str]:
 
 _KEEPALIVE = {"type": "kvdir_keepalive"}
 _FOLLOWER = 0  # pysyncobj's _RAFT_STATE.FOLLOWER
+_LEADER = 2  # pysyncobj's _RAFT_STATE.LEADER
 
 RaftEntry = tuple[bytes, int, int]
 """(command, index, term) as pysyncobj keeps log entries."""
@@ -165,6 +167,13 @@ def trim_append_entries(
     return out
 
 
+def _label_kwargs(label: Any) -> dict[str, str]:
+    """TCPNode keyword attributes from a snapshot's [replica id, gRPC address] label."""
+    if not isinstance(label, list) or len(label) != 2:
+        return {}
+    return {"kvdir_id": str(label[0]), "kvdir_grpc": str(label[1])}
+
+
 @dataclass(slots=True)
 class _Round:
     """One barrier serving every linearizable read that joined it."""
@@ -183,8 +192,11 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
         data_dir: str,
         tuning: RaftTuning | None = None,
         on_state_changed: Callable[[int, int], None] | None = None,
+        cluster_id: str = "",
+        join: bool = False,
     ) -> None:
         tuning = tuning or RaftTuning()
+        self.kvdir_cluster_id = cluster_id  # read by FencedTransport (directory/membership.py)
         os.makedirs(data_dir, exist_ok=True)
         self.lock = threading.Lock()
         self.table = Table()
@@ -221,9 +233,12 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
         )
         self._keepalive_s = tuning.keepalive_s
         self._leader_loss_spread_s = tuning.election_max_s - tuning.election_min_s
+        self._election_s = (tuning.election_min_s, tuning.election_max_s)
         self._next_keepalive = 0.0
-        super().__init__(self_address, peer_addresses, conf)
+        super().__init__(self_address, peer_addresses, conf, transportClass=FencedTransport)
         self._SyncObj__raftElectionDeadline = raft_clock() + tuning.startup_grace_s
+        self._joining = join
+        """Never campaign before a leader has been heard from (a replica being added)."""
 
     # ------------------------------------------------------------ raft safety
 
@@ -237,6 +252,14 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
         Pinging keeps every link warm. Runs on the Raft thread (the transport
         is not thread-safe).
         """
+        if self._joining:
+            # Until the leader adds it, a joining replica's dials are refused right
+            # after they connect; campaigning meanwhile would only inflate its term,
+            # and that term would depose the leader the moment it is added.
+            if self._SyncObj__raftLeader is not None:
+                self._joining = False
+            else:
+                self._SyncObj__raftElectionDeadline = raft_clock() + self._leader_loss_spread_s + 1
         super()._onTick(timeToWait)
         now = time.monotonic()
         if now >= self._next_keepalive:
@@ -259,6 +282,19 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
         if node == self._SyncObj__raftLeader and self._SyncObj__raftState == _FOLLOWER:
             soon = raft_clock() + random.uniform(0.0, self._leader_loss_spread_s)
             self._SyncObj__raftElectionDeadline = min(self._SyncObj__raftElectionDeadline, soon)
+
+    def _SyncObj__setState(self, newState: int) -> None:  # noqa: N802, N803
+        """A leader that steps down waits a fresh election timeout before campaigning.
+
+        pysyncobj leaves a leader's (long expired) election deadline as it was,
+        so a deposed leader campaigned on its next tick; after a leadership
+        hand-over (`kvdir ctl remove-replica` of the leader) it often won back
+        at once, over and over. Runs on the Raft thread.
+        """
+        was_leader = self._SyncObj__raftState == _LEADER
+        super()._SyncObj__setState(newState)
+        if was_leader and newState != _LEADER:
+            self._SyncObj__raftElectionDeadline = raft_clock() + random.uniform(*self._election_s)
 
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:  # noqa: N802
         """Every message from a peer; appends are trimmed first (`trim_append_entries`)."""
@@ -371,6 +407,52 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
             out.append((str(node.address), bool(self.isNodeConnected(node)), False))
         return out
 
+    def member_labels(self) -> dict[str, tuple[str, str]]:
+        """Raft address -> (replica id, gRPC address) recorded by `kvdir ctl add-replica`.
+
+        The labels travel inside pysyncobj's membership entry (TCPNode keeps
+        keyword attributes) and in our snapshots, so members added at run time
+        are named on every replica, not only on those whose config lists them.
+        """
+        out: dict[str, tuple[str, str]] = {}
+        for node in list(self.otherNodes):
+            rid, grpc_addr = getattr(node, "kvdir_id", ""), getattr(node, "kvdir_grpc", "")
+            if rid or grpc_addr:
+                out[str(node.address)] = (str(rid), str(grpc_addr))
+        return out
+
+    def member_addresses(self) -> list[str]:
+        """The Raft addresses of the current membership (self included), sorted."""
+        return sorted([str(self.selfNode.address), *(str(n.address) for n in self.otherNodes)])
+
+    def capture_applied(self, timeout_s: float) -> tuple[snapshot.Image, int, int, list[str]]:
+        """(image, applied index, its term, members), taken on the Raft thread between applies.
+
+        On any other thread the applied index may trail the table by an entry
+        (pysyncobj bumps it after the apply returns); a tick callback runs
+        where neither moves. Raises TimeoutError if the Raft thread is stuck.
+        """
+        box: list[tuple[snapshot.Image, int, int, list[str]]] = []
+        done = threading.Event()
+
+        def on_tick() -> None:
+            if done.is_set():
+                return
+            idx = int(self.raftLastApplied)
+            entry = self._entry_at(idx)
+            with self.lock:
+                image = snapshot.capture(self.table)
+            box.append((image, idx, entry[2] if entry else 0, self.member_addresses()))
+            done.set()
+
+        self.addOnTickCallback(on_tick)
+        try:
+            if not done.wait(timeout_s):
+                raise TimeoutError(f"the raft thread took no snapshot within {timeout_s:.1f}s")
+        finally:
+            self.removeOnTickCallback(on_tick)
+        return box[0]
+
     # ------------------------------------------------------------- snapshots
 
     def _serialize(self, _tmp_file: str, data: tuple[Any, Any, Any]) -> None:
@@ -386,7 +468,14 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
             self._snap_state = SERIALIZER_STATE.SERIALIZING
         entry_last, entry_prev, cluster = data
         image = snapshot.capture(self.table)
-        raft = {"cluster": sorted(str(n.address) for n in cluster)}
+        raft = {
+            "cluster": sorted(str(n.address) for n in cluster),
+            "labels": {
+                str(n.address): [getattr(n, "kvdir_id", ""), getattr(n, "kvdir_grpc", "")]
+                for n in cluster
+                if getattr(n, "kvdir_id", "") or getattr(n, "kvdir_grpc", "")
+            },
+        }
         capture_s = time.perf_counter() - t0
         threading.Thread(
             target=self._write_dump,
@@ -434,6 +523,7 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
         table, raft, entries = snapshot.read(path)
         with self.lock:
             self.table = table
-        cluster = {TCPNode(addr) for addr in raft["cluster"]}
+        labels = raft.get("labels", {})
+        cluster = {TCPNode(addr, **_label_kwargs(labels.get(addr))) for addr in raft["cluster"]}
         log.info("snapshot loaded", extra={"entries": table.entries})
         return entries[0], entries[1], cluster

@@ -114,7 +114,15 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
 
     def leader_grpc(self) -> str:
         leader = self.replica.leader_address()
-        return "" if leader is None else self._grpc_of_raft.get(leader, "")
+        return "" if leader is None else self.label(leader)[1]
+
+    def label(self, raft_address: str) -> tuple[str, str]:
+        """(replica id, gRPC address) of a member: from the config, else from the membership."""
+        grpc_addr = self._grpc_of_raft.get(raft_address)
+        if grpc_addr is not None:
+            return self.cfg.replica_of_raft()[raft_address], grpc_addr
+        rid, grpc_addr = self.replica.member_labels().get(raft_address, ("", ""))
+        return rid or raft_address, grpc_addr
 
     def _unavailable(self, context: grpc.ServicerContext, message: str) -> NoReturn:
         context.set_trailing_metadata(
@@ -325,11 +333,10 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         r = self.replica
         status = r.getStatus()
         leader = r.leader_address()
-        replica_of = self.cfg.replica_of_raft()
         resp = pb.ClusterStatusResponse(
             replica_id=self.cfg.replica_id,
             role=_ROLE[int(status["state"])],
-            leader_id=replica_of.get(leader or "", leader or ""),
+            leader_id=self.label(leader)[0] if leader else "",
             leader_grpc_address=self.leader_grpc(),
             term=status["raft_term"],
             commit_index=status["commit_idx"],
@@ -337,12 +344,14 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
             has_quorum=bool(status["has_quorum"]),
             log_entries=status["log_len"],
             last_compaction_s=r.last_compaction_s,
+            cluster_id=r.kvdir_cluster_id,
         )
         for addr, connected, is_self in r.members():
+            rid, grpc_addr = self.label(addr)
             resp.members.add(
-                replica_id=replica_of.get(addr, addr),
+                replica_id=rid or addr,
                 raft_address=addr,
-                grpc_address=self._grpc_of_raft.get(addr, ""),
+                grpc_address=grpc_addr,
                 connected=connected,
                 is_self=is_self,
             )

@@ -2,6 +2,8 @@
 
     kvdir directory serve   run one directory replica (a daemon)
     kvdir ctl status|nodes|lookup   inspect a running directory
+    kvdir ctl add-replica|remove-replica|backup   membership and backups (kvdir/ops.py)
+    kvdir directory restore|recover   a data dir from a backup, or from a lone survivor
     kvdir ctl wait-ready    block until replicas (or an agent) are ready; a systemd gate
     kvdir ctl check-hashes   the hashes a vLLM engine will publish, and a live check
     kvdir demo              a short cluster replay: real directory and agents, simulated GPUs
@@ -25,6 +27,7 @@ from typing import Any
 from directory.client import DirectoryClient, DirectoryError, namespace
 from directory.config import ConfigError, DirectoryConfig, from_dict, load, parse_peer
 from directory.raft import RaftTuning
+from kvdir import ops
 from proto.kvdir.v1 import directory_pb2 as pb
 
 DEFAULT_ADDRS = "127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103"
@@ -46,6 +49,8 @@ def _serve_config(args: argparse.Namespace) -> DirectoryConfig:
         "data_dir": args.data_dir,
         "log_format": args.log_format,
         "enable_echo": True if args.enable_echo else None,
+        "cluster_id": args.cluster_id,
+        "join": True if args.join else None,
     }
     peers = [parse_peer(p) for p in args.peer]
     tune = _tuning(args.tune)
@@ -256,7 +261,24 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     else:
         print(format_status(out))
+        print()
+        print(format_members(out))
     return 0
+
+
+def format_members(statuses: Sequence[tuple[str, pb.ClusterStatusResponse | None, str]]) -> str:
+    """The membership as the leader (else the first answering replica) sees it."""
+    answered = [s for _, s, _ in statuses if s is not None]
+    view = next((s for s in answered if s.role == pb.ROLE_LEADER), answered[0])
+    lines = [
+        f"MEMBERS ({len(view.members)}, as seen by {view.replica_id}"
+        + (f", cluster {view.cluster_id}" if view.cluster_id else "")
+        + ")"
+    ]
+    for m in view.members:
+        state = "self" if m.is_self else ("connected" if m.connected else "NOT CONNECTED")
+        lines.append(f"  {m.raft_address:24} {m.replica_id:24} {state}")
+    return "\n".join(lines)
 
 
 def _ready_once(addr: str, agent: bool, timeout_s: float) -> tuple[bool, str]:
@@ -492,9 +514,18 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
         action="store_true",
         help="also serve the Echo baseline used by `kvdir bench directory`",
     )
+    s.add_argument(
+        "--cluster-id", help="join a restored cluster with an empty data dir (operations.md)"
+    )
+    s.add_argument(
+        "--join",
+        action="store_true",
+        help="first start of a replica being added: never campaign before a leader is heard",
+    )
     s.add_argument("--log-format", choices=["json", "text"])
     s.add_argument("--log-level", default="INFO")
     s.set_defaults(func=cmd_serve)
+    ops.add_directory_parsers(d)
 
     ag = sub.add_parser("agent", help="the node agent").add_subparsers(
         dest="agent_command", required=True
@@ -555,6 +586,7 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
             c.add_argument("--exclude", default="")
             c.add_argument("--linearizable", action="store_true")
 
+    ops.add_ctl_parsers(ctl, DEFAULT_ADDRS)
     w = ctl.add_parser(
         "wait-ready",
         help="wait until replicas report SERVING (or an agent is connected), bounded",
@@ -607,7 +639,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rc: int = args.func(args)
         return rc
-    except (CliError, ConfigError, DirectoryError) as e:
+    except (CliError, ConfigError, DirectoryError, ops.OpsError) as e:
         print(f"kvdir: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -64,6 +64,9 @@ class Replica:
     data_dir: str
     log_path: str
     proc: subprocess.Popen[bytes] | None = None
+    member: bool = True
+    """False once removed from the membership: no longer a peer of replicas launched later."""
+    extra_args: list[str] = field(default_factory=list)
 
     @property
     def alive(self) -> bool:
@@ -81,21 +84,39 @@ class LocalCluster:
     replicas: list[Replica] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        ports = free_ports(3 * self.size)
-        for i in range(self.size):
-            rid = f"r{i + 1}"
-            d = os.path.join(self.base_dir, rid)
-            os.makedirs(d, exist_ok=True)
-            self.replicas.append(
-                Replica(
-                    rid,
-                    f"{LOOPBACK}:{ports[3 * i]}",
-                    f"{LOOPBACK}:{ports[3 * i + 1]}",
-                    f"{LOOPBACK}:{ports[3 * i + 2]}",
-                    os.path.join(d, "data"),
-                    os.path.join(d, "replica.log"),
-                )
-            )
+        for _ in range(self.size):
+            self._new_replica()
+
+    def _new_replica(self) -> Replica:
+        raft, grpc_port, metrics = free_ports(3)
+        rid = f"r{len(self.replicas) + 1}"
+        d = os.path.join(self.base_dir, rid)
+        os.makedirs(d, exist_ok=True)
+        r = Replica(
+            rid,
+            f"{LOOPBACK}:{raft}",
+            f"{LOOPBACK}:{grpc_port}",
+            f"{LOOPBACK}:{metrics}",
+            os.path.join(d, "data"),
+            os.path.join(d, "replica.log"),
+        )
+        self.replicas.append(r)
+        return r
+
+    def new_replica(self) -> Replica:
+        """Ports and a data dir for one more replica (not launched, not yet a member).
+
+        Launch it after `kvdir ctl add-replica` made it a member; its peers are
+        every replica that is still a member.
+        """
+        r = self._new_replica()
+        self.size += 1
+        return r
+
+    def mark_removed(self, r: Replica) -> None:
+        """Record that `r` left the membership (after `kvdir ctl remove-replica`)."""
+        r.member = False
+        self.size -= 1
 
     @property
     def grpc_addresses(self) -> list[str]:
@@ -120,21 +141,26 @@ class LocalCluster:
             r.data_dir,
         ]
         for p in self.replicas:
-            if p is not r:
+            if p is not r and p.member:
                 cmd += ["--peer", f"{p.replica_id}={p.raft_address},{p.grpc_address}"]
         if self.enable_echo:
             cmd.append("--enable-echo")
-        return cmd + self.extra_args
+        return cmd + self.extra_args + r.extra_args
 
-    def launch(self, r: Replica) -> None:
+    def launch(self, r: Replica, command: list[str] | None = None) -> None:
+        """Start `r` (with `command` instead of `self.command(r)`, e.g. a stale config)."""
         with open(r.log_path, "ab") as log:
             r.proc = subprocess.Popen(
-                self.command(r), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command or self.command(r),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
 
     def start(self, timeout_s: float = 30.0) -> None:
         for r in self.replicas:
-            self.launch(r)
+            if r.member:
+                self.launch(r)
         self.wait_leader(timeout_s)
 
     def client(self, timeout_s: float = 5.0) -> DirectoryClient:

@@ -233,7 +233,9 @@ def test_ctl_status(shared_cluster: LocalCluster) -> None:
     addrs = ",".join(shared_cluster.grpc_addresses)
     out = kvdir("ctl", "status", "--addr", addrs)
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.strip().splitlines()
+    table, _, members = out.stdout.strip().partition("\n\nMEMBERS (3, as seen by ")
+    assert sorted(line.split()[1] for line in members.splitlines()[1:]) == ["r1", "r2", "r3"]
+    lines = table.splitlines()
     assert lines[0].split()[:3] == ["ADDRESS", "REPLICA", "ROLE"]
     rows = [line.split() for line in lines[1:]]
     assert len(rows) == 3

@@ -809,6 +809,7 @@ class ClusterStatusResponse(_message.Message):
     HAS_QUORUM_FIELD_NUMBER: _builtins.int
     LOG_ENTRIES_FIELD_NUMBER: _builtins.int
     LAST_COMPACTION_S_FIELD_NUMBER: _builtins.int
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     role: Global___Role.ValueType
     leader_id: _builtins.str
@@ -825,6 +826,10 @@ class ClusterStatusResponse(_message.Message):
     has_quorum: _builtins.bool
     log_entries: _builtins.int
     last_compaction_s: _builtins.float
+    cluster_id: _builtins.str
+    """Set once the cluster was restored from a backup or recovered from a
+    survivor (docs/operations.md); Raft peers of another cluster id are refused.
+    """
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___Member]: ...
     def __init__(
@@ -845,14 +850,143 @@ class ClusterStatusResponse(_message.Message):
         has_quorum: _builtins.bool = ...,
         log_entries: _builtins.int = ...,
         last_compaction_s: _builtins.float = ...,
+        cluster_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_index", b"applied_index", "blocks", b"blocks", "commit_index", b"commit_index", "entries", b"entries", "has_quorum", b"has_quorum", "last_compaction_s", b"last_compaction_s", "leader_grpc_address", b"leader_grpc_address", "leader_id", b"leader_id", "log_entries", b"log_entries", "members", b"members", "namespaces", b"namespaces", "nodes", b"nodes", "replica_id", b"replica_id", "role", b"role", "term", b"term"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_index", b"applied_index", "blocks", b"blocks", "cluster_id", b"cluster_id", "commit_index", b"commit_index", "entries", b"entries", "has_quorum", b"has_quorum", "last_compaction_s", b"last_compaction_s", "leader_grpc_address", b"leader_grpc_address", "leader_id", b"leader_id", "log_entries", b"log_entries", "members", b"members", "namespaces", b"namespaces", "nodes", b"nodes", "replica_id", b"replica_id", "role", b"role", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClusterStatusResponse: _TypeAlias = ClusterStatusResponse  # noqa: Y015
+
+@_typing.final
+class AddReplicaRequest(_message.Message):
+    """Operators' commands (`kvdir ctl add-replica|remove-replica|backup`).
+    Membership changes run on the leader only: elsewhere FAILED_PRECONDITION
+    with trailing metadata `kvdir-leader` (the leader's gRPC address, when
+    known). A malformed address is INVALID_ARGUMENT, adding a member
+    ALREADY_EXISTS, removing a non-member NOT_FOUND.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RAFT_ADDRESS_FIELD_NUMBER: _builtins.int
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    GRPC_ADDRESS_FIELD_NUMBER: _builtins.int
+    raft_address: _builtins.str
+    """HOST:PORT the new replica's Raft listens on"""
+    replica_id: _builtins.str
+    """Optional labels, replicated with the membership entry: every member then
+    names the new one in ClusterStatus and hints clients to its gRPC address.
+    """
+    grpc_address: _builtins.str
+    def __init__(
+        self,
+        *,
+        raft_address: _builtins.str = ...,
+        replica_id: _builtins.str = ...,
+        grpc_address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["grpc_address", b"grpc_address", "raft_address", b"raft_address", "replica_id", b"replica_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AddReplicaRequest: _TypeAlias = AddReplicaRequest  # noqa: Y015
+
+@_typing.final
+class RemoveReplicaRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RAFT_ADDRESS_FIELD_NUMBER: _builtins.int
+    raft_address: _builtins.str
+    def __init__(
+        self,
+        *,
+        raft_address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["raft_address", b"raft_address"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveReplicaRequest: _TypeAlias = RemoveReplicaRequest  # noqa: Y015
+
+@_typing.final
+class MembershipResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMBERS_FIELD_NUMBER: _builtins.int
+    APPLIED_INDEX_FIELD_NUMBER: _builtins.int
+    applied_index: _builtins.int
+    """Raft index the change applied at (or later)"""
+    @_builtins.property
+    def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___Member]:
+        """the membership after the change"""
+
+    def __init__(
+        self,
+        *,
+        members: _abc.Iterable[Global___Member] | None = ...,
+        applied_index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_index", b"applied_index", "members", b"members"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MembershipResponse: _TypeAlias = MembershipResponse  # noqa: Y015
+
+@_typing.final
+class BackupRequest(_message.Message):
+    """A consistent copy of one replica's table: the bytes of a backup file
+    (directory/backup.py: header with format, term, index, sha256; then a
+    snapshot), in order, in chunks of at most 1 MiB.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SKIP_BARRIER_FIELD_NUMBER: _builtins.int
+    skip_barrier: _builtins.bool
+    """Default: first a read barrier through Raft, so the backup holds every
+    write acknowledged before the call (needs a quorum). true: whatever this
+    replica has applied, with no barrier (works without a quorum).
+    """
+    def __init__(
+        self,
+        *,
+        skip_barrier: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["skip_barrier", b"skip_barrier"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BackupRequest: _TypeAlias = BackupRequest  # noqa: Y015
+
+@_typing.final
+class BackupChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATA_FIELD_NUMBER: _builtins.int
+    data: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BackupChunk: _TypeAlias = BackupChunk  # noqa: Y015
 
 @_typing.final
 class EchoRequest(_message.Message):

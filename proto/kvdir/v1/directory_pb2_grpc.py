@@ -441,6 +441,164 @@ class PrefixDirectory:
             _registered_method=True)
 
 
+class DirectoryAdminStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.AddReplica = channel.unary_unary(
+                '/kvdir.v1.DirectoryAdmin/AddReplica',
+                request_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.AddReplicaRequest.SerializeToString,
+                response_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.MembershipResponse.FromString,
+                _registered_method=True)
+        self.RemoveReplica = channel.unary_unary(
+                '/kvdir.v1.DirectoryAdmin/RemoveReplica',
+                request_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.RemoveReplicaRequest.SerializeToString,
+                response_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.MembershipResponse.FromString,
+                _registered_method=True)
+        self.Backup = channel.unary_stream(
+                '/kvdir.v1.DirectoryAdmin/Backup',
+                request_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.BackupRequest.SerializeToString,
+                response_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.BackupChunk.FromString,
+                _registered_method=True)
+
+
+class DirectoryAdminServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def AddReplica(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveReplica(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Backup(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_DirectoryAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'AddReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddReplica,
+                    request_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.AddReplicaRequest.FromString,
+                    response_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.MembershipResponse.SerializeToString,
+            ),
+            'RemoveReplica': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveReplica,
+                    request_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.RemoveReplicaRequest.FromString,
+                    response_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.MembershipResponse.SerializeToString,
+            ),
+            'Backup': grpc.unary_stream_rpc_method_handler(
+                    servicer.Backup,
+                    request_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.BackupRequest.FromString,
+                    response_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.BackupChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'kvdir.v1.DirectoryAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('kvdir.v1.DirectoryAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class DirectoryAdmin:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def AddReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdir.v1.DirectoryAdmin/AddReplica',
+            proto_dot_kvdir_dot_v1_dot_directory__pb2.AddReplicaRequest.SerializeToString,
+            proto_dot_kvdir_dot_v1_dot_directory__pb2.MembershipResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveReplica(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdir.v1.DirectoryAdmin/RemoveReplica',
+            proto_dot_kvdir_dot_v1_dot_directory__pb2.RemoveReplicaRequest.SerializeToString,
+            proto_dot_kvdir_dot_v1_dot_directory__pb2.MembershipResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Backup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvdir.v1.DirectoryAdmin/Backup',
+            proto_dot_kvdir_dot_v1_dot_directory__pb2.BackupRequest.SerializeToString,
+            proto_dot_kvdir_dot_v1_dot_directory__pb2.BackupChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class EchoStub:
     """Missing associated documentation comment in .proto file."""
 

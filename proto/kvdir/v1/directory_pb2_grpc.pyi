@@ -135,6 +135,46 @@ class PrefixDirectoryServicer(metaclass=_abc_1.ABCMeta):
 
 def add_PrefixDirectoryServicer_to_server(servicer: PrefixDirectoryServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
+class DirectoryAdminStub:
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> DirectoryAdminAsyncStub: ...
+    AddReplica: _grpc.UnaryUnaryMultiCallable[_directory_pb2.AddReplicaRequest, _directory_pb2.MembershipResponse]
+    RemoveReplica: _grpc.UnaryUnaryMultiCallable[_directory_pb2.RemoveReplicaRequest, _directory_pb2.MembershipResponse]
+    Backup: _grpc.UnaryStreamMultiCallable[_directory_pb2.BackupRequest, _directory_pb2.BackupChunk]
+
+@_typing.type_check_only
+class DirectoryAdminAsyncStub(DirectoryAdminStub):
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    AddReplica: _aio.UnaryUnaryMultiCallable[_directory_pb2.AddReplicaRequest, _directory_pb2.MembershipResponse]  # type: ignore[assignment]
+    RemoveReplica: _aio.UnaryUnaryMultiCallable[_directory_pb2.RemoveReplicaRequest, _directory_pb2.MembershipResponse]  # type: ignore[assignment]
+    Backup: _aio.UnaryStreamMultiCallable[_directory_pb2.BackupRequest, _directory_pb2.BackupChunk]  # type: ignore[assignment]
+
+class DirectoryAdminServicer(metaclass=_abc_1.ABCMeta):
+    @_abc_1.abstractmethod
+    def AddReplica(
+        self,
+        request: _directory_pb2.AddReplicaRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_directory_pb2.MembershipResponse, _abc.Awaitable[_directory_pb2.MembershipResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def RemoveReplica(
+        self,
+        request: _directory_pb2.RemoveReplicaRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_directory_pb2.MembershipResponse, _abc.Awaitable[_directory_pb2.MembershipResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Backup(
+        self,
+        request: _directory_pb2.BackupRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_directory_pb2.BackupChunk], _abc.AsyncIterator[_directory_pb2.BackupChunk]]: ...
+
+def add_DirectoryAdminServicer_to_server(servicer: DirectoryAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
 class EchoStub:
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
