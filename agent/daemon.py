@@ -94,7 +94,12 @@ class AgentDaemon:
             from agent import rdma_link
 
             rdma = rdma_link.options(
-                cfg.node_id, cfg.listen, cfg.rdma_device, cfg.rdma_port, cfg.rdma_gid_index
+                cfg.node_id,
+                cfg.listen,
+                cfg.rdma_device,
+                cfg.rdma_port,
+                cfg.rdma_gid_index,
+                self.metrics.rdma_errors,
             )
         try:
             self.engine = TransferEngine(

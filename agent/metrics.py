@@ -2,16 +2,44 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from transfer.rdma_support import RdmaErrors
 
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class RdmaErrorsCollector(Collector):
+    """kvdir_agent_rdma_errors_total{kind,status} from the rdma transport's counts.
+
+    Exported on every agent (zeros where rdma is not configured), so one
+    alert rule covers every node and a missing series means a missing agent.
+    """
+
+    def __init__(self, errors: RdmaErrors) -> None:
+        self.errors = errors
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily(
+            "kvdir_agent_rdma_errors",
+            "RDMA failures by kind: completion (error status), deadline (QP flushed), "
+            "connect, post, flush, accept (holder side)",
+            labels=["kind", "status"],
+        )
+        for (kind, status), n in sorted(self.errors.snapshot().items()):
+            fam.add_metric([kind, status], n)
+        yield fam
 
 
 class AgentMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self.rdma_errors = RdmaErrors()
+        r.register(RdmaErrorsCollector(self.rdma_errors))
         self.queue_depth = Gauge(
             "kvdir_agent_publish_queue_depth", "Changes waiting to be published", registry=r
         )

@@ -18,7 +18,7 @@ from proto.kvdir.v1 import agent_pb2 as apb
 from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
 from transfer.base import PeerUnavailable, TransferError
 from transfer.engine import TransferEngine
-from transfer.rdma_support import Exchange, RdmaOptions
+from transfer.rdma_support import Exchange, RdmaErrors, RdmaOptions
 
 WIRE_VERSION = 1
 CONNECT_TIMEOUT_S = 5.0
@@ -26,9 +26,16 @@ PARAMS_MAX = 32
 """Entries of a ConnectRdma params map (a handful are used)."""
 
 
-def options(node_id: str, listen: str, device: str, port: int, gid_index: int) -> RdmaOptions:
+def options(
+    node_id: str,
+    listen: str,
+    device: str,
+    port: int,
+    gid_index: int,
+    errors: RdmaErrors | None = None,
+) -> RdmaOptions:
     """Options of this agent's rdma transport, with ConnectRdma as its exchange."""
-    return RdmaOptions(device, port, gid_index, listen, node_id, grpc_exchange(node_id))
+    return RdmaOptions(device, port, gid_index, listen, node_id, grpc_exchange(node_id), errors)
 
 
 def grpc_exchange(self_node: str) -> Exchange:

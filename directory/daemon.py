@@ -185,10 +185,20 @@ class DirectoryDaemon:
         self.health.enter_graceful_shutdown()
         r = self.replica
         if r is not None and r._isLeader():
+            t0 = time.monotonic()
             r.transferLeadership()
-            deadline = time.monotonic() + min(grace_s, 1.0)
+            deadline = t0 + min(grace_s, 1.0)
             while r._isLeader() and time.monotonic() < deadline:
                 time.sleep(0.01)
+            # Operators (and the systemd VM test) read this to tell a handover
+            # from a plain exit that left the others to an election timeout.
+            log.info(
+                "leadership handed over" if not r._isLeader() else "leadership handover timed out",
+                extra={
+                    "replica_id": self.cfg.replica_id,
+                    "seconds": round(time.monotonic() - t0, 3),
+                },
+            )
         if self.server is not None:
             self.server.stop(grace_s).wait(grace_s)
         if self._metrics_server is not None:

@@ -68,7 +68,7 @@ from transfer.base import (
     coalesce,
 )
 from transfer.memory import Registry, buffer_address
-from transfer.rdma_support import Exchange, RdmaOptions
+from transfer.rdma_support import Exchange, RdmaErrors, RdmaOptions
 
 log = logging.getLogger("kvdir.transfer.rdma")
 
@@ -207,6 +207,7 @@ class RdmaTransport(Transport):
         self.options = options or RdmaOptions()
         self.registry = registry or Registry()
         self.exchange = exchange or self.options.exchange
+        self.errors = self.options.errors or RdmaErrors()
         self.ctx, self.port = _open(self.options)
         self.pd = PD(self.ctx)
         self._lock = threading.Lock()
@@ -307,11 +308,16 @@ class RdmaTransport(Transport):
 
     def accept(self, remote: dict[str, str]) -> dict[str, str]:
         """Holder side of ConnectRdma: a QP on the pool's PD, connected to the reader's."""
-        qp, cq = self.new_qp()
+        try:
+            qp, cq = self.new_qp()
+        except PyverbsError:
+            self.errors.add("accept")
+            raise
         psn = self.psn()
         try:
             self.bring_up(qp, psn, remote)
         except PeerUnavailable:
+            self.errors.add("accept")
             qp.close()
             cq.close()
             raise
@@ -409,7 +415,11 @@ class RdmaChannel(Channel):
             self._connect()
 
     def _connect(self) -> None:
-        qp, cq = self.t.new_qp()
+        try:
+            qp, cq = self.t.new_qp()
+        except PyverbsError:
+            self.t.errors.add("connect")
+            raise
         psn = self.t.psn()
         params = self.t.local_params(qp, psn)
         if self._remote_qpn:
@@ -418,6 +428,7 @@ class RdmaChannel(Channel):
             remote = self.exchange(self.descriptor, params)
             self.t.bring_up(qp, psn, remote)
         except BaseException:
+            self.t.errors.add("connect")
             qp.close()
             cq.close()
             raise
@@ -490,7 +501,7 @@ class RdmaChannel(Channel):
         while retired < n:
             while posted < n and posted - retired < SEND_WR_MAX:
                 k = min(POST_CHAIN_WR_MAX, n - posted, SEND_WR_MAX - (posted - retired))
-                self._post(qp, pieces, posted, k, lkey)
+                self._post(qp, pieces, posted, k, lkey, self.t.errors)
                 posted += k
             _, wcs = cq.poll(CQ_POLL_BATCH)
             if wcs:
@@ -508,7 +519,9 @@ class RdmaChannel(Channel):
                 time.sleep(max(0.0, min(sleep_s, deadline - time.monotonic())))
 
     @staticmethod
-    def _post(qp: QP, pieces: list[_Piece], start: int, k: int, lkey: int) -> None:
+    def _post(
+        qp: QP, pieces: list[_Piece], start: int, k: int, lkey: int, errors: RdmaErrors
+    ) -> None:
         n = len(pieces)
         # pyverbs links C structs but keeps no reference to the next SendWR: every
         # object of the chain must stay alive (in `chain`) until post_send returns.
@@ -530,13 +543,15 @@ class RdmaChannel(Channel):
         try:
             qp.post_send(chain[-1])
         except PyverbsError as err:
+            errors.add("post")
             raise TransferError(f"post_send failed: {err}") from err
 
     def _fail(self, piece: _Piece, status: int, outstanding: int) -> None:
         """An error completion: the QP is in ERR; flush, destroy, raise the right error."""
+        name = _wc_name(status)
+        self.t.errors.add("completion", name)
         self._abort(outstanding)
         where = f"{piece.length} bytes at {piece.remote:#x} under rkey {piece.rkey:#x}"
-        name = _wc_name(status)
         if status in _DENIED:
             raise AccessDenied(
                 f"rdma read of {where} from {self.peer} refused ({name}): the rkey is not "
@@ -547,6 +562,7 @@ class RdmaChannel(Channel):
         raise TransferError(f"rdma read of {where} from {self.peer} failed ({name})")
 
     def _expire(self, outstanding: int, n: int) -> None:
+        self.t.errors.add("deadline")
         self._abort(outstanding)
         raise PeerUnavailable(
             f"rdma read deadline passed with {outstanding} of {n} requests outstanding: "
@@ -566,6 +582,7 @@ class RdmaChannel(Channel):
                     if not got:
                         time.sleep(POLL_SLEEP_MAX_S)
             except PyverbsError as err:
+                self.t.errors.add("flush")
                 log.warning("flushing an rdma queue pair failed: %s", err)
         self._teardown()
 

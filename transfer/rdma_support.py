@@ -12,12 +12,56 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 Exchange = Callable[[dict[str, str], dict[str, str]], dict[str, str]]
 """(holder's descriptor, our QP's params) -> the holder's QP params (the agent's ConnectRdma)."""
+
+
+ERROR_KINDS = ("completion", "deadline", "connect", "post", "flush", "accept")
+"""What `RdmaErrors` counts:
+completion: a READ completed with an error status (the QP went to ERR; status names it);
+deadline: a READ did not complete in time (the QP was moved to ERR and flushed);
+connect: setting up a reader's QP failed (ConnectRdma, or the RTR/RTS transitions);
+post: post_send refused work requests;
+flush: moving a failed QP to ERR or draining it failed;
+accept: the holder side of ConnectRdma could not create or connect a QP."""
+ERROR_STATUSES_MAX = 64
+"""Distinct completion statuses kept (ibverbs defines ~22); the rest count as "other"."""
+
+
+class RdmaErrors:
+    """RDMA failures by kind (and completion status), counted by the transport.
+
+    Thread-safe. The agent creates one, hands it to the transport through
+    `RdmaOptions.errors`, and exports it as kvdir_agent_rdma_errors_total.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts: dict[tuple[str, str], int] = {(k, ""): 0 for k in ERROR_KINDS}
+
+    def add(self, kind: str, status: str = "") -> None:
+        if kind not in ERROR_KINDS:
+            raise ValueError(f"unknown rdma error kind {kind!r}")
+        full = len(ERROR_KINDS) + ERROR_STATUSES_MAX
+        with self._lock:
+            key = (kind, status)
+            if key not in self._counts and len(self._counts) >= full:
+                key = (kind, "other")
+            self._counts[key] = self._counts.get(key, 0) + 1
+
+    def snapshot(self) -> dict[tuple[str, str], int]:
+        """(kind, status) -> count; every kind is present (with status "") from the start."""
+        with self._lock:
+            return dict(self._counts)
+
+    def total(self, kind: str) -> int:
+        with self._lock:
+            return sum(n for (k, _), n in self._counts.items() if k == kind)
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +78,8 @@ class RdmaOptions:
     """This node (goes into the descriptor; readers name it back in ConnectRdma)."""
     exchange: Exchange | None = None
     """How a reader reaches a holder's `accept` (the agent's ConnectRdma RPC)."""
+    errors: RdmaErrors | None = None
+    """Where the transport counts its failures (the agent exports them); None: its own."""
 
 
 def capabilities() -> dict[str, Any]:

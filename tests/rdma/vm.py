@@ -35,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -122,6 +123,21 @@ class VmError(RuntimeError):
 
 
 @dataclass(frozen=True, slots=True)
+class Recipe:
+    """What goes into an image: Debian packages, kernel modules, and a last step on the root.
+
+    `fingerprint` is hashed into the cache key with the recipe version, the
+    modules and every package version: put into it whatever `finish` writes.
+    """
+
+    version: str
+    packages: tuple[str, ...]
+    modules: tuple[str, ...]
+    finish: Callable[[Path], None]
+    fingerprint: str
+
+
+@dataclass(frozen=True, slots=True)
 class Image:
     kernel: Path
     initrd: Path
@@ -198,15 +214,16 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVDIR_VM_CACHE") or Path.home() / ".cache" / "kvdir-vm")
 
 
-def image_key() -> tuple[str, dict[str, str]]:
+def image_key(recipe: Recipe | None = None) -> tuple[str, dict[str, str]]:
+    r = recipe or RDMA_RECIPE
     try:
         _candidate(KERNEL_META)
     except VmError:  # a fresh machine with empty apt lists: fetch them once
         _run(["apt-get", "update", "-qq"], timeout_s=600)
     kernel = _kernel_package()
-    versions = {p: _candidate(p) for p in (kernel, *GUEST_PACKAGES)}
-    recipe = json.dumps([RECIPE_VERSION, INIT, MODULES, versions], sort_keys=True)
-    return hashlib.sha256(recipe.encode()).hexdigest()[:16], versions
+    versions = {p: _candidate(p) for p in (kernel, *r.packages)}
+    text = json.dumps([r.version, r.fingerprint, r.modules, versions], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16], versions
 
 
 def _mirrors() -> list[str]:
@@ -223,10 +240,11 @@ def _mirrors() -> list[str]:
     return found
 
 
-def build(log: bool = True) -> Image:
+def build(log: bool = True, recipe: Recipe | None = None) -> Image:
     """The cached image for the current package versions, building it if needed."""
+    r = recipe or RDMA_RECIPE
     check_host()
-    key, versions = image_key()
+    key, versions = image_key(r)
     dest = cache_root() / key
     manifest = dest / "manifest.json"
     if manifest.exists():
@@ -238,9 +256,9 @@ def build(log: bool = True) -> Image:
         work = Path(tmp)
         kver = _unpack_kernel(work)
         root = work / "root"
-        _bootstrap(root)
-        _add_modules(work / "kernel", root, kver)
-        _finish_root(root)
+        _bootstrap(root, r.packages)
+        _add_modules(work / "kernel", root, kver, r.modules)
+        r.finish(root)
         staged = work / "image"
         staged.mkdir()
         shutil.copy2(work / "kernel" / "boot" / f"vmlinuz-{kver}", staged / "vmlinuz")
@@ -267,7 +285,7 @@ def _unpack_kernel(work: Path) -> str:
     return pkg.removeprefix("linux-image-")
 
 
-def _bootstrap(root: Path) -> None:
+def _bootstrap(root: Path, packages: tuple[str, ...]) -> None:
     mirrors = _mirrors()
     if not mirrors:
         raise VmError("the host has no apt sources to bootstrap the guest from")
@@ -276,7 +294,7 @@ def _bootstrap(root: Path) -> None:
             "mmdebstrap",
             "--variant=essential",
             "--mode=root",
-            "--include=" + ",".join(GUEST_PACKAGES),
+            "--include=" + ",".join(packages),
             "--dpkgopt=path-exclude=/usr/share/doc/*",
             "--dpkgopt=path-exclude=/usr/share/man/*",
             "--dpkgopt=path-exclude=/usr/share/locale/*",
@@ -288,18 +306,18 @@ def _bootstrap(root: Path) -> None:
     )
 
 
-def _add_modules(kernel: Path, root: Path, kver: str) -> None:
+def _add_modules(kernel: Path, root: Path, kver: str, modules: tuple[str, ...]) -> None:
     src = kernel / "lib" / "modules" / kver
     if not src.is_dir():
         raise VmError(f"the kernel package has no modules under {src}")
     index = {}
     for p in src.rglob("*.ko*"):
         index[p.name.split(".ko")[0]] = p
-    missing = [m for m in MODULES if m not in index]
+    missing = [m for m in modules if m not in index]
     if missing:
         raise VmError(f"kernel {kver} lacks modules: {', '.join(missing)}")
     dst = root / "lib" / "modules" / kver
-    for m in MODULES:
+    for m in modules:
         rel = index[m].relative_to(src)
         (dst / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(index[m], dst / rel)
@@ -322,8 +340,16 @@ def _finish_root(root: Path) -> None:
     if not target.is_dir():
         raise VmError("python3-pyverbs left no pyverbs package in the guest")
     (shim / "pyverbs").symlink_to("/usr/lib/python3/dist-packages/pyverbs")
+    drop_apt_caches(root)
+
+
+def drop_apt_caches(root: Path) -> None:
     shutil.rmtree(root / "var" / "cache" / "apt", ignore_errors=True)
     shutil.rmtree(root / "var" / "lib" / "apt" / "lists", ignore_errors=True)
+
+
+RDMA_RECIPE = Recipe(RECIPE_VERSION, GUEST_PACKAGES, MODULES, _finish_root, INIT)
+"""The Soft-RoCE image (the rdma tier's)."""
 
 
 def _pack(root: Path, dest: Path) -> None:
@@ -357,8 +383,20 @@ def shares() -> list[tuple[str, bool]]:
     return out
 
 
-def boot(image: Image, job: str, out_dir: Path, timeout_s: float, cwd: str | None = None) -> Result:
-    """Boot the VM, run shell text `job` inside it (cwd: the repository), wait for power-off."""
+def boot(
+    image: Image,
+    job: str,
+    out_dir: Path,
+    timeout_s: float,
+    cwd: str | None = None,
+    guest_shares: list[tuple[str, bool]] | None = None,
+    init: str = "/init",
+) -> Result:
+    """Boot the VM, run shell text `job` inside it (cwd: the repository), wait for power-off.
+
+    `guest_shares`: host folders the guest mounts at the same paths (default:
+    the repository and Python, `shares()`); `init`: the guest's PID 1.
+    """
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("rc", "job.log", "setup.log", "dmesg.txt"):
         (out_dir / stale).unlink(missing_ok=True)
@@ -388,8 +426,8 @@ def boot(image: Image, job: str, out_dir: Path, timeout_s: float, cwd: str | Non
         "-initrd",
         str(image.initrd),
     ]
-    cmdline = ["console=ttyS0", "rdinit=/init", "panic=-1", "quiet"]
-    all_shares = [(str(out_dir), False), *shares()]
+    cmdline = ["console=ttyS0", f"rdinit={init}", "panic=-1", "quiet"]
+    all_shares = [(str(out_dir), False), *(shares() if guest_shares is None else guest_shares)]
     for i, (path, ro) in enumerate(all_shares):
         tag = f"kvdir{i}"
         guest_path = OUT_MOUNT if i == 0 else path

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 
 from agent.config import AgentConfig, PoolConfig
 from agent.daemon import AgentDaemon
@@ -109,6 +110,13 @@ def test_b_fetches_a_prefix_from_a_over_rdma(world: World) -> None:
     assert r.bytes == BLOCKS * SLOT_BYTES
     assert [slot_bytes(world.b, s) for s in dst] == payload
     world.b.free(NS, dst)
+    # The agent's rdma transport counts into the agent's exported metric; a clean fetch: none.
+    assert world.reader.engine is not None
+    rdma = world.reader.engine.transports["rdma"]
+    assert getattr(rdma, "errors", None) is world.reader.metrics.rdma_errors
+    exposed = generate_latest(world.reader.metrics.registry).decode()
+    assert 'kvdir_agent_rdma_errors_total{kind="completion",status=""} 0.0' in exposed
+    assert sum(world.reader.metrics.rdma_errors.snapshot().values()) == 0
 
 
 @pytest.mark.timeout(600)

@@ -127,8 +127,11 @@ def test_unregistered_destinations_small_and_large(pair: Pair) -> None:
 
 def test_wrong_rkey_is_a_clear_error_and_the_channel_recovers(pair: Pair) -> None:
     bad = (pair.region.rkey ^ 0x5A5A) or 1
+    before = pair.reader.errors.snapshot().get(("completion", "IBV_WC_REM_ACCESS_ERR"), 0)
     with pytest.raises(AccessDenied, match=r"rkey 0x[0-9a-f]+.*REM_ACCESS_ERR|REM_ACCESS_ERR"):
         pair.channel.read([Read(pair.region.address, bad, 4096, 0)], pair.dst_view, 10)
+    # Counted for kvdir_agent_rdma_errors_total{kind="completion",status="IBV_WC_REM_ACCESS_ERR"}.
+    assert pair.reader.errors.snapshot()[("completion", "IBV_WC_REM_ACCESS_ERR")] == before + 1
     # The QP went to ERR: the next read reconnects and works.
     pair.channel.read([Read(pair.region.address, pair.region.rkey, 4096, 0)], pair.dst_view, 10)
     assert pair.dst[:4096] == pair.src[:4096]
@@ -200,10 +203,13 @@ def test_dead_peer_hits_the_deadline_and_flushes() -> None:
         holder.kill()
         holder.wait(10)
         t0 = time.monotonic()
+        assert reader.errors.total("deadline") + reader.errors.total("completion") == 0
         with pytest.raises(PeerUnavailable, match=r"deadline|does not answer"):
             ch.read([Read(address, rkey, length, 0)], view, timeout_s=2.0)
         took = time.monotonic() - t0
         assert took < 2.0 + 5.0, took  # the deadline, plus a bounded flush
+        # rxe never completes (a deadline flush); real NICs may report RETRY_EXC first.
+        assert reader.errors.total("deadline") + reader.errors.total("completion") == 1
         ch.close()
         reader.close()
     finally:
