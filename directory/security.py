@@ -31,7 +31,7 @@ import logging
 import tomllib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -283,7 +283,13 @@ def _tolerant(deserialize: Callable[[bytes], Any] | None, what: str) -> Callable
     return parse
 
 
-class _Interceptor(grpc.ServerInterceptor[Any, Any]):
+if TYPE_CHECKING:
+    _InterceptorBase = grpc.ServerInterceptor[Any, Any]
+else:  # grpc's classes are generic only in the stubs
+    _InterceptorBase = grpc.ServerInterceptor
+
+
+class _Interceptor(_InterceptorBase):
     def __init__(self, security: ServerSecurity) -> None:
         self.security = security
 
