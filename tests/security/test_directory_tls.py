@@ -7,13 +7,14 @@ for its status code and a message that says why.
 from __future__ import annotations
 
 import socket
+from functools import partial
 import subprocess
 import sys
 
 import grpc
 import pytest
 
-from directory.client import DirectoryClient, DirectoryError, namespace
+from directory.client import DirectoryClient, namespace
 from directory.security import ClientSecurity
 from kvdir.local import LocalCluster
 from proto.kvdir.v1 import directory_pb2 as pb
@@ -75,7 +76,7 @@ def test_a_node_may_not_write_for_another(secure_cluster: LocalCluster, pki: Pki
         # A prefix of another name is not that node's holder.
         ("RegisterNode", pb.RegisterNodeRequest(node_id="node-ab", host="h", incarnation=1)),
     ):
-        e = rpc_error(lambda m=method, r=req: _stub_call(addr, a, m, r))
+        e = rpc_error(partial(_stub_call, addr, a, method, req))
         assert e.code() == grpc.StatusCode.PERMISSION_DENIED, method
         assert "'node-a' may not act for node" in (e.details() or ""), e.details()
 
@@ -137,7 +138,7 @@ def test_a_wrong_token_is_refused_with_a_reason(secure_cluster: LocalCluster, pk
         ),
     ):
         e = rpc_error(
-            lambda t=token: _stub_call(addr, leaf.client(t), "ListNodes", pb.ListNodesRequest())
+            partial(_stub_call, addr, leaf.client(token), "ListNodes", pb.ListNodesRequest())
         )
         assert e.code() == grpc.StatusCode.UNAUTHENTICATED, token
         assert why in (e.details() or ""), e.details()
