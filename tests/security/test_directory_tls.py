@@ -7,9 +7,9 @@ for its status code and a message that says why.
 from __future__ import annotations
 
 import socket
-from functools import partial
 import subprocess
 import sys
+from functools import partial
 
 import grpc
 import pytest
