@@ -10,7 +10,10 @@ Wire format (little-endian), version 1, one TCP connection per (reader, holder):
 
 The holder checks every segment against its `Registry` (rkey granted, range
 inside the region) before sending a byte, so a reader can read only what was
-registered. The reader receives straight into its destination slots
+registered. A request asks for at most REQUEST_BYTES_MAX bytes, and a segment
+that cannot be sent within SEND_STALL_S (a reader that stopped draining its
+socket) ends the connection, so hostile readers cannot pin the holder's
+connection threads for long. The reader receives straight into its destination slots
 (`recv_into` on slices of dst; no intermediate buffer) and keeps several
 requests in flight on the connection so the holder's sends never wait for a
 round trip.
@@ -57,6 +60,8 @@ SEGMENTS_PER_REQUEST_MAX = 1024
 REQUEST_BYTES_MAX = 64 << 20
 REQUESTS_INFLIGHT_MAX = 8
 CONNECTIONS_MAX = 256
+SEND_STALL_S = 30.0
+"""Longest send of one response segment (at most 64 MiB: over 2 MB/s) before hanging up."""
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -148,6 +153,16 @@ class TcpServer:
             )
             raise TransferError("protocol error")  # the stream is out of sync: hang up
         segs = _recv_exact(conn, _SEG.size * count)
+        total = sum(length for _, _, length in _SEG.iter_unpack(segs))
+        if total > REQUEST_BYTES_MAX:
+            self._refuse(
+                conn,
+                STATUS_BAD_REQUEST,
+                count,
+                req_id,
+                f"a request of {total} bytes is over the limit of {REQUEST_BYTES_MAX}",
+            )
+            return
         views = []
         try:
             for addr, rkey, length in _SEG.iter_unpack(segs):
@@ -156,10 +171,14 @@ class TcpServer:
             self.denied += 1
             self._refuse(conn, STATUS_DENIED, count, req_id, str(e))
             return
-        conn.sendall(_HEAD.pack(MAGIC, VERSION, STATUS_OK, 0, count, req_id))
-        for v in views:
-            conn.sendall(v)
-            self.bytes_served += len(v)
+        conn.settimeout(SEND_STALL_S)  # a reader that stops reading is cut off
+        try:
+            conn.sendall(_HEAD.pack(MAGIC, VERSION, STATUS_OK, 0, count, req_id))
+            for v in views:
+                conn.sendall(v)
+                self.bytes_served += len(v)
+        finally:
+            conn.settimeout(None)
 
     @staticmethod
     def _refuse(conn: socket.socket, status: int, count: int, req_id: int, why: str) -> None:
