@@ -6,6 +6,7 @@
     kvdir ctl check-hashes   the hashes a vLLM engine will publish, and a live check
     kvdir demo              a local 3-replica cluster, a real publish/lookup workload
     kvdir bench directory   the directory benchmark
+    kvdir fuzz              hostile input against real daemons; a report
 
 Failures print one line, ``kvdir: error: ...``, and exit non-zero.
 """
@@ -595,9 +596,10 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     ch.add_argument("--timeout", type=float, default=30.0)
     ch.set_defaults(func=cmd_check_hashes)
 
-    from kvdir import demo
+    from kvdir import demo, fuzz
 
     demo.add_parser(sub)
+    fuzz.add_parser(sub)
     if with_benchmarks:
         from kvdir.bench import add_parsers
 
