@@ -21,4 +21,10 @@ def add_parser(sub: Any) -> None:
     f.add_argument("--cases", type=int, default=200, help="hypothesis examples per target")
     f.add_argument("--seed", type=int, default=None, help="make the run repeatable")
     f.add_argument("--out", default="", help="also write the report (markdown) here")
+    f.add_argument(
+        "--atheris-runs",
+        type=int,
+        default=0,
+        help="also run each coverage-guided atheris target this many times (0: off)",
+    )
     f.set_defaults(func=_cmd)

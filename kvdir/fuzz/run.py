@@ -17,6 +17,7 @@ import platform
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -195,6 +196,40 @@ def fuzz_decoder(tally: Tally, cases: int, seed: int | None) -> None:
     tally.seconds["events.decode"] = _drive(event_payloads(), cases, seed, one)
 
 
+ATHERIS_TIMEOUT_S = 3600
+
+
+def fuzz_guided(tally: Tally, runs: int, workdir: str) -> None:
+    """Each atheris target (kvdir/fuzz/guided.py) for `runs` libFuzzer executions."""
+    import re
+    import subprocess
+
+    from kvdir.fuzz.guided import TARGETS
+
+    for target in TARGETS:
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvdir.fuzz.guided",
+            target,
+            f"-runs={runs}",
+            "-max_len=4096",
+            f"-artifact_prefix={workdir}/atheris-{target}-",
+        ]
+        t0 = time.perf_counter()
+        p = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=ATHERIS_TIMEOUT_S, check=False
+        )
+        tally.seconds[f"atheris.{target}"] = time.perf_counter() - t0
+        done = re.search(r"Done (\d+) runs", p.stderr)
+        n = int(done.group(1)) if done else 0
+        tally.cases[f"atheris.{target}"] += n
+        outcome = "no-crash" if p.returncode == 0 and done else "decoder-crash"
+        tally.outcomes.setdefault(f"atheris.{target}", Counter())[outcome] += max(n, 1)
+        if outcome != "no-crash":
+            tally.crashes.append(f"atheris.{target}: rc {p.returncode}: {p.stderr[-600:]}")
+
+
 def run_all(h: Harness, cases: int, seed: int | None) -> Tally:
     tally = Tally()
     fuzz_grpc(h, tally, cases, seed)
@@ -204,14 +239,14 @@ def run_all(h: Harness, cases: int, seed: int | None) -> Tally:
     return tally
 
 
-def report(tally: Tally, cases: int, seed: int | None, seconds: float) -> str:
+def report(tally: Tally, seconds: float, command: str | None = None) -> str:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"# kvdir fuzz: {tally.total} cases, {tally.crash_count} crashes",
         "",
         f"- date: {now}; machine: {platform.node()} ({platform.machine()}, "
         f"python {platform.python_version()})",
-        f"- command: `kvdir fuzz --cases {cases}" + (f" --seed {seed}`" if seed else "`"),
+        f"- command: `{' '.join(['kvdir', *sys.argv[1:]]) if command is None else command}`",
         f"- wall time: {seconds:.0f} s; after every target: daemons serving, kept entries intact",
         "",
         "| target | cases | seconds | outcomes |",
@@ -242,7 +277,9 @@ def cmd_fuzz(args: argparse.Namespace) -> int:
             tally = run_all(h, args.cases, args.seed)
         finally:
             h.stop()
-    text = report(tally, args.cases, args.seed, time.monotonic() - t0)
+        if args.atheris_runs:
+            fuzz_guided(tally, args.atheris_runs, base)
+    text = report(tally, time.monotonic() - t0)
     print(text, end="")
     if args.out:
         with open(args.out, "w") as f:
