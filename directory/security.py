@@ -255,7 +255,8 @@ def _cert_identity(context: grpc.ServicerContext) -> str | None:
     names = context.auth_context().get("x509_common_name")
     if not names or isinstance(names, bytes):
         return None
-    return names[0].decode("utf-8", "replace")
+    cn = names[0].decode("utf-8", "replace")
+    return cn or None  # an empty CN names nobody (it would prefix-match every "/..." id)
 
 
 def _bearer(context: grpc.ServicerContext) -> str | None:
