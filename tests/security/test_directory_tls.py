@@ -13,9 +13,11 @@ from functools import partial
 
 import grpc
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from directory.client import DirectoryClient, namespace
-from directory.security import ClientSecurity
+from directory.security import ClientSecurity, may_act_for
 from kvdir.local import LocalCluster
 from proto.kvdir.v1 import directory_pb2 as pb
 from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
@@ -189,3 +191,29 @@ def test_ctl_talks_tls_and_fails_in_one_line_without_it(
     token_no_tls = _ctl("nodes", "--addr", addrs, "--token", "x.y")
     assert token_no_tls.returncode == 1
     assert "needs --ca" in token_no_tls.stderr
+
+
+NODE_IDS = st.one_of(
+    st.text(max_size=24),
+    st.sampled_from(["node-a", "node-a/", "node-a/vllm0/dp0", "node-a-x", "node-b", "admin"]),
+    st.text(max_size=12).map(lambda t: "node-a/" + t),
+    st.text(max_size=12).map(lambda t: "node-a" + t),
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(node_id=NODE_IDS)
+def test_writes_are_allowed_exactly_for_the_callers_own_ids(
+    secure_cluster: LocalCluster, pki: Pki, node_id: str
+) -> None:
+    addr = secure_cluster.grpc_addresses[0]
+    req = pb.RegisterNodeRequest(node_id=node_id, host="127.0.0.1", incarnation=1)
+    try:
+        _stub_call(addr, pki.leaves["node-a"].client(), "RegisterNode", req)
+        code = grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        code = e.code()
+    if may_act_for("node-a", node_id, ()):
+        assert code in (grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT), node_id
+    else:
+        assert code == grpc.StatusCode.PERMISSION_DENIED, node_id
