@@ -32,12 +32,14 @@ from directory.security import (
     SecurityConfigError,
     ServerSecurity,
     TlsConfig,
+    ssl_contexts,
 )
 from directory.validate import namespace_key
 from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
 from proto.kvdir.v1 import directory_pb2 as pb
 from transfer.base import TransferError
 from transfer.engine import TransferEngine
+from transfer.tcp import TcpTls
 
 log = logging.getLogger("kvdir.agent")
 
@@ -114,12 +116,19 @@ class AgentDaemon:
                 cfg.rdma_gid_index,
                 self.security,
             )
+        tcp_tls = None
+        if cfg.tls.enabled:
+            try:
+                tcp_tls = TcpTls(*ssl_contexts(cfg.tls))
+            except SecurityConfigError as e:
+                raise AgentStartError(str(e)) from e
         try:
             self.engine = TransferEngine(
                 cfg.transports,
                 host=cfg.host,
                 shared=[pool.mem for _, pool, _ in opened],
                 rdma=rdma,
+                tcp_tls=tcp_tls,
             )
         except (ValueError, TransferError) as e:
             raise AgentStartError(f"cannot start the transfer engine: {e}") from e

@@ -28,6 +28,7 @@ import contextvars
 import hashlib
 import hmac
 import logging
+import ssl
 import tomllib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -119,6 +120,23 @@ def read_tokens(path: str) -> dict[str, str]:
             )
         out[ident] = secret
     return out
+
+
+def ssl_contexts(tls: TlsConfig) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(server, client) contexts of the same certificate, for non-gRPC TLS (the tcp
+    data plane). The server requires a client certificate from `ca` when
+    `require_client_cert` is set; the client verifies the server's name."""
+    try:
+        server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        server.load_cert_chain(tls.cert, tls.key)
+        server.load_verify_locations(tls.ca)
+        server.verify_mode = ssl.CERT_REQUIRED if tls.require_client_cert else ssl.CERT_NONE
+        client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        client.load_cert_chain(tls.cert, tls.key)
+        client.load_verify_locations(tls.ca)
+    except (OSError, ssl.SSLError) as e:
+        raise SecurityConfigError(f"cannot load [tls] files for the tcp data plane: {e}") from e
+    return server, client
 
 
 def _read(path: str, what: str) -> bytes:

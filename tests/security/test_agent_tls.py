@@ -167,3 +167,61 @@ def test_token_mode_refuses_missing_and_wrong_tokens(
 def test_the_engine_socket_is_for_its_owner_and_group(agents: dict[str, LocalAgent]) -> None:
     mode = stat.S_IMODE(os.stat(agents["node-a"].engine_socket).st_mode)
     assert mode & 0o007 == 0, oct(mode)
+
+
+def test_the_tcp_data_plane_is_tls_for_certified_peers_only(
+    pki: Pki, agents: dict[str, LocalAgent]
+) -> None:
+    """A reader that knows the rkey and the address still gets no byte in clear."""
+    import socket
+    import ssl
+
+    from agent.pool import Geometry
+    from kvdir.fuzz.targets import read_request
+    from transfer.tcp import _HEAD
+
+    HEAD_BYTES = _HEAD.size  # noqa: N806
+
+    hs = _handshake(agents["node-a"].listen, pki.leaves["node-b"].client(), "node-b")
+    tcp = next(t for t in hs.transports if t.name == "tcp")
+    assert tcp.params["tls"] == "1"
+    host, _, port = tcp.params["endpoint"].rpartition(":")
+    info = hs.pools[0]
+    base = info.header_address - Geometry.of(info.slot_bytes, info.slots).header_offset
+    request = read_request([(base, info.rkey, 64)])
+
+    def exchange(s: socket.socket) -> bytes:
+        s.sendall(request)
+        out = b""
+        while chunk := s.recv(4096):
+            out += chunk
+            if len(out) >= HEAD_BYTES + 64:
+                break
+        return out
+
+    def answer(wrap: ssl.SSLContext | None) -> bytes:
+        with socket.create_connection((host, int(port)), timeout=5) as raw:
+            if wrap is None:
+                return exchange(raw)
+            with wrap.wrap_socket(raw, server_hostname=host) as s:
+                return exchange(s)
+
+    try:
+        clear = answer(None)
+    except ConnectionResetError:
+        clear = b""
+    assert b"KVDT" not in clear  # the holder spoke TLS (an alert) or hung up
+
+    certified = ssl.create_default_context(cafile=pki.leaves["node-b"].ca)
+    certified.load_cert_chain(pki.leaves["node-b"].cert, pki.leaves["node-b"].key)
+    got = answer(certified)
+    with open(info.path, "rb") as pool_file:
+        first = pool_file.read(64)
+    assert (got[:4], got[5], got[HEAD_BYTES:]) == (b"KVDT", 0, first), "certified reads work"
+
+    uncertified = ssl.create_default_context(cafile=pki.leaves["node-b"].ca)
+    try:
+        got = answer(uncertified)  # TLS 1.3 reports the refusal on the first read
+    except (ssl.SSLError, ConnectionResetError, BrokenPipeError):
+        got = b""
+    assert b"KVDT" not in got, "a reader without a client certificate was served"
