@@ -112,6 +112,20 @@ def _fill(msg: Message, values: dict[str, Any]) -> None:
             setattr(msg, name, value)
 
 
+def _same_length_columns(cls: type[Message], values: dict[str, Any]) -> dict[str, Any]:
+    """Cut every non-empty repeated scalar field to the shortest one's length, so
+    column-shaped requests (a publish's hashes, addresses, lengths, ...) agree."""
+    columns = [
+        name
+        for name, v in values.items()
+        if v and isinstance(v, list) and cls.DESCRIPTOR.fields_by_name[name].message_type is None
+    ]
+    if not columns:
+        return values
+    n = min(len(values[c]) for c in columns)
+    return {k: (v[:n] if k in columns else v) for k, v in values.items()}
+
+
 def structured(
     cls: type[Message], pinned: Mapping[str, Any] | None = None
 ) -> st.SearchStrategy[bytes]:
@@ -121,6 +135,8 @@ def structured(
 
     def build(values: dict[str, Any], pin: bool) -> bytes:
         msg = cls()
+        if pin:
+            values = _same_length_columns(cls, values)
         _fill(msg, values)
         for name, value in (pinned or {}).items() if pin else ():
             if name not in msg.DESCRIPTOR.fields_by_name:
