@@ -82,6 +82,10 @@ def _field(field: Any, depth: int) -> st.SearchStrategy[Any]:
     if field.message_type is not None and field.message_type.GetOptions().map_entry:
         return st.dictionaries(st.text(max_size=16), st.text(max_size=16), max_size=40)
     small = st.lists(one, max_size=REPEATED_SMALL_MAX)
+    if depth > 0:
+        # Huge fields only at the top: 5,000 messages of 70,000 items each
+        # would be 350M values (gigabytes) in the fuzzer itself.
+        return small
     sizes = REPEATED_HUGE if field.message_type is None else REPEATED_HUGE_MESSAGES
     huge = st.tuples(one, st.sampled_from(sizes)).map(lambda vn: [vn[0]] * vn[1])
     return st.one_of(small, small, small, huge)
