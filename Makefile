@@ -64,3 +64,8 @@ bench-rdma: $(STAMP)  # kvdir's RDMA READs vs ib_read_bw inside the Soft-RoCE VM
 	$(PY) -m tests.rdma.vm run --out /tmp/kvdir-bench-rdma -- \
 		python -m kvdir.cli bench transfer --transport rdma --out-dir /kvdir-out/results
 	mkdir -p bench/results && cp /tmp/kvdir-bench-rdma/results/rdma-* bench/results/
+
+# Hostile input against real daemons, with a report (docs/security.md).
+.PHONY: fuzz
+fuzz: $(STAMP)
+	$(VENV)/bin/kvdir fuzz --cases 300 --atheris-runs 300000 --out bench/results/fuzz-$$(date -u +%F).md

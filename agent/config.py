@@ -28,17 +28,27 @@ model = "meta-llama/Llama-3.1-8B"       # the namespace its blocks are indexed i
 block_tokens = 16
 dp_size = 1                             # one subscription per DP rank (ports + rank)
 hash_algo = "sha256"                    # for the hash self-test (docs/events.md)
+
+[tls]                                   # optional: TLS + mTLS (docs/security.md)
+cert = "/etc/kvdir/tls/node-a.crt"      # CN = node_id: the identity peers and the
+key = "/etc/kvdir/tls/node-a.key"       # directory check; also our client certificate
+ca = "/etc/kvdir/tls/ca.crt"
+
+[auth]
+token_file = "/etc/kvdir/node-a.token"  # optional bearer token "node-a.<secret>"
+tokens_file = "/etc/kvdir/tokens.toml"  # optional: peers' tokens this agent accepts
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from directory.config import ConfigError, read_toml
+from directory.config import ConfigError, read_toml, security_sections
 from directory.limits import LEASE_MS_DEFAULT, LEASE_MS_MAX, LEASE_MS_MIN
+from directory.security import AuthConfig, TlsConfig
 from proto.kvdir.v1 import directory_pb2 as pb
 
 POOL_BYTES_MAX = 1 << 40
@@ -133,6 +143,8 @@ class AgentConfig:
     rdma_port: int = 0
     rdma_gid_index: int = -1
     engines: tuple[EngineConfig, ...] = ()
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
     def pool_path(self, index: int) -> str:
         safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.node_id)
@@ -151,6 +163,9 @@ def from_dict(raw: dict[str, Any]) -> AgentConfig:
         except TypeError as e:
             raise ConfigError(f"[[pools]] #{i + 1}: {e}") from e
     engines = _engines(raw.pop("engines", []))
+    tls, auth = security_sections(raw)
+    if auth.raft_password_file or auth.admins:
+        raise ConfigError("[auth] raft_password_file and admins are directory settings")
     names = {f.name for f in dataclasses.fields(AgentConfig)}
     unknown = sorted(set(raw) - names)
     if unknown:
@@ -165,7 +180,7 @@ def from_dict(raw: dict[str, Any]) -> AgentConfig:
     if missing:
         raise ConfigError(f"missing required keys: {', '.join(missing)}")
     try:
-        cfg = AgentConfig(pools=tuple(pools), engines=engines, **raw)
+        cfg = AgentConfig(pools=tuple(pools), engines=engines, tls=tls, auth=auth, **raw)
     except TypeError as e:
         raise ConfigError(str(e)) from e
     _check(cfg)

@@ -26,15 +26,26 @@ from agent.pool import KvPool
 from agent.publisher import Holding, NodeIdentity, Publisher, PublisherLimits
 from agent.service import AgentCore, AgentService, EngineService, PoolState, ns_key
 from directory.client import DirectoryClient, DirectoryError
+from directory.security import (
+    AuthConfig,
+    ClientSecurity,
+    SecurityConfigError,
+    ServerSecurity,
+    TlsConfig,
+    ssl_contexts,
+)
 from directory.validate import namespace_key
 from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
 from proto.kvdir.v1 import directory_pb2 as pb
 from transfer.base import TransferError
 from transfer.engine import TransferEngine
+from transfer.tcp import TcpTls
 
 log = logging.getLogger("kvdir.agent")
 
 GRPC_WORKERS = 16
+ENGINE_SOCKET_MODE = 0o660
+"""The engine socket allocates and frees slots: its owner and group only."""
 
 
 class AgentStartError(RuntimeError):
@@ -50,7 +61,11 @@ class AgentDaemon:
         self.publisher: Publisher | None = None
         self.fetcher: Fetcher | None = None
         self.core: AgentCore | None = None
-        self.directory = DirectoryClient(list(cfg.directory), timeout_s=5.0)
+        try:
+            self.security = ClientSecurity.from_config(cfg.tls, cfg.auth)
+        except SecurityConfigError as e:
+            raise AgentStartError(str(e)) from e
+        self.directory = DirectoryClient(list(cfg.directory), timeout_s=5.0, security=self.security)
         self.ingests: list[EngineIngest] = []
         self._servers: list[grpc.Server] = []
         self._metrics_server: Any = None
@@ -100,13 +115,21 @@ class AgentDaemon:
                 cfg.rdma_port,
                 cfg.rdma_gid_index,
                 self.metrics.rdma_errors,
+                self.security,
             )
+        tcp_tls = None
+        if cfg.tls.enabled:
+            try:
+                tcp_tls = TcpTls(*ssl_contexts(cfg.tls))
+            except SecurityConfigError as e:
+                raise AgentStartError(str(e)) from e
         try:
             self.engine = TransferEngine(
                 cfg.transports,
                 host=cfg.host,
                 shared=[pool.mem for _, pool, _ in opened],
                 rdma=rdma,
+                tcp_tls=tcp_tls,
             )
         except (ValueError, TransferError) as e:
             raise AgentStartError(f"cannot start the transfer engine: {e}") from e
@@ -139,7 +162,7 @@ class AgentDaemon:
         self.fetcher = Fetcher(
             cfg.node_id,
             self.directory,
-            PeerCache(self.engine, cfg.node_id),
+            PeerCache(self.engine, cfg.node_id, self.security),
             timeout_s=cfg.fetch_timeout_ms / 1000,
         )
         self.core = AgentCore(cfg.node_id, self.pools, self.engine, p, self.fetcher, self.metrics)
@@ -176,19 +199,28 @@ class AgentDaemon:
     def _serve(self) -> None:
         cfg, core = self.cfg, self.core
         assert core is not None
+        try:
+            security = ServerSecurity(cfg.tls, cfg.auth, f"agent {cfg.node_id}")
+        except SecurityConfigError as e:
+            raise AgentStartError(str(e)) from e
         peers = grpc.server(
-            futures.ThreadPoolExecutor(GRPC_WORKERS, thread_name_prefix="kvdir-agent")
+            futures.ThreadPoolExecutor(GRPC_WORKERS, thread_name_prefix="kvdir-agent"),
+            interceptors=[security.interceptor()],
         )
         apb_grpc.add_AgentServicer_to_server(AgentService(core), peers)
+        # The engine's socket is local: file permissions guard it, and the
+        # interceptor (plain) still answers garbage with INVALID_ARGUMENT.
+        local = ServerSecurity(TlsConfig(), AuthConfig(), f"agent {cfg.node_id} engine socket")
         engine = grpc.server(
-            futures.ThreadPoolExecutor(GRPC_WORKERS, thread_name_prefix="kvdir-engine")
+            futures.ThreadPoolExecutor(GRPC_WORKERS, thread_name_prefix="kvdir-engine"),
+            interceptors=[local.interceptor()],
         )
         apb_grpc.add_EngineServicer_to_server(EngineService(core), engine)
         os.makedirs(os.path.dirname(cfg.engine_socket) or ".", exist_ok=True)
         if os.path.exists(cfg.engine_socket):
             os.unlink(cfg.engine_socket)  # a stale socket from a previous run
         try:
-            peers.add_insecure_port(cfg.listen)
+            security.add_port(peers, cfg.listen)
             engine.add_insecure_port(f"unix:{cfg.engine_socket}")
         except RuntimeError as e:
             raise AgentStartError(
@@ -196,6 +228,7 @@ class AgentDaemon:
             ) from e
         peers.start()
         engine.start()
+        os.chmod(cfg.engine_socket, ENGINE_SOCKET_MODE)
         self._servers = [peers, engine]
         if cfg.metrics_address:
             host, _, port = cfg.metrics_address.rpartition(":")

@@ -27,6 +27,7 @@ import grpc
 
 from agent.pool import HEADER_BYTES, KvPool, valid_prefix
 from directory.client import DirectoryClient, DirectoryError, records
+from directory.security import PLAIN, ClientSecurity
 from proto.kvdir.v1 import agent_pb2 as apb
 from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
 from proto.kvdir.v1 import directory_pb2 as pb
@@ -72,6 +73,8 @@ class PeerCache:
 
     engine: TransferEngine
     self_node: str
+    security: ClientSecurity = PLAIN
+    """How to reach peers' kvdir.v1.Agent (TLS with our node certificate when set)."""
     peers: dict[tuple[str, str], Peer] = field(default_factory=dict)
     cooldown: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -104,7 +107,7 @@ class PeerCache:
         return peer
 
     def _handshake(self, node_id: str, endpoint: str) -> Peer:
-        with grpc.insecure_channel(endpoint) as ch:
+        with self.security.channel(endpoint) as ch:
             try:
                 resp = apb_grpc.AgentStub(ch).Handshake(
                     apb.HandshakeRequest(

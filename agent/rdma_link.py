@@ -14,6 +14,7 @@ from typing import NoReturn
 
 import grpc
 
+from directory.security import PLAIN, ClientSecurity, current_identity
 from proto.kvdir.v1 import agent_pb2 as apb
 from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
 from transfer.base import PeerUnavailable, TransferError
@@ -33,12 +34,14 @@ def options(
     port: int,
     gid_index: int,
     errors: RdmaErrors | None = None,
+    security: ClientSecurity = PLAIN,
 ) -> RdmaOptions:
     """Options of this agent's rdma transport, with ConnectRdma as its exchange."""
-    return RdmaOptions(device, port, gid_index, listen, node_id, grpc_exchange(node_id), errors)
+    exchange = grpc_exchange(node_id, security)
+    return RdmaOptions(device, port, gid_index, listen, node_id, exchange, errors)
 
 
-def grpc_exchange(self_node: str) -> Exchange:
+def grpc_exchange(self_node: str, security: ClientSecurity = PLAIN) -> Exchange:
     def exchange(descriptor: dict[str, str], params: dict[str, str]) -> dict[str, str]:
         endpoint = descriptor.get("endpoint", "")
         if not endpoint:
@@ -49,7 +52,7 @@ def grpc_exchange(self_node: str) -> Exchange:
             holder_node_id=descriptor.get("node_id", ""),
             params=params,
         )
-        with grpc.insecure_channel(endpoint) as ch:
+        with security.channel(endpoint) as ch:
             try:
                 resp = apb_grpc.AgentStub(ch).ConnectRdma(req, timeout=CONNECT_TIMEOUT_S)
             except grpc.RpcError as e:
@@ -84,6 +87,13 @@ def serve_connect(
             context,
             grpc.StatusCode.FAILED_PRECONDITION,
             f"this is {node_id!r}, not {request.holder_node_id!r}",
+        )
+    caller = current_identity()
+    if caller is not None and request.node_id != caller:
+        _abort(
+            context,
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"caller {caller!r} may not connect a queue pair as {request.node_id!r}",
         )
     if not request.node_id or len(request.params) > PARAMS_MAX:
         _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a reader node_id and params are needed")

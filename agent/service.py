@@ -18,6 +18,7 @@ from agent.fetcher import Fetcher, FetchError
 from agent.metrics import AgentMetrics
 from agent.pool import STORED, KvPool, PoolError
 from agent.publisher import Publisher
+from directory.security import current_identity
 from proto.kvdir.v1 import agent_pb2 as apb
 from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
 from proto.kvdir.v1 import directory_pb2 as pb
@@ -121,6 +122,13 @@ class AgentService(apb_grpc.AgentServicer):
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"wire version {request.version} is not supported (this is {WIRE_VERSION})",
+            )
+        caller = current_identity()  # None only in plain mode; else authenticated
+        if caller is not None and request.node_id != caller:
+            _abort(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"caller {caller!r} may not handshake as {request.node_id!r}",
             )
         resp = apb.HandshakeResponse(
             version=WIRE_VERSION,

@@ -32,6 +32,7 @@ from directory import backup
 from directory.config import DirectoryConfig
 from directory.membership import MembershipError, parse_raft_address
 from directory.raft import DirectoryReplica, Outcome
+from directory.security import authorize_admin
 from proto.kvdir.v1 import directory_pb2 as pb
 from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
 
@@ -154,6 +155,7 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
     def AddReplica(
         self, request: pb.AddReplicaRequest, context: grpc.ServicerContext
     ) -> pb.MembershipResponse:
+        authorize_admin(context, self.cfg.auth.admins, "add replicas")
         addr = self._address(request.raft_address, context)
         labels: dict[str, str] = {}
         if request.grpc_address:
@@ -190,6 +192,7 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
     def RemoveReplica(
         self, request: pb.RemoveReplicaRequest, context: grpc.ServicerContext
     ) -> pb.MembershipResponse:
+        authorize_admin(context, self.cfg.auth.admins, "remove replicas")
         addr = self._address(request.raft_address, context)
         self._require_leader(context)
         with self._change_lock:
@@ -227,6 +230,7 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
     def Backup(
         self, request: pb.BackupRequest, context: grpc.ServicerContext
     ) -> Iterator[pb.BackupChunk]:
+        authorize_admin(context, self.cfg.auth.admins, "take backups")
         if not self._backup_slot.acquire(blocking=False):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "a backup is already running here")
         try:

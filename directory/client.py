@@ -10,6 +10,7 @@ a bounded number of attempts:
   (publishes carry generations, removes are guarded, registration is keyed by
   incarnation); `retry_unknown=False` surfaces `OutcomeUnknown` instead.
 - INVALID_ARGUMENT: never retried; raised as `DirectoryError` with its reason.
+- UNAUTHENTICATED / PERMISSION_DENIED (secure mode): never retried.
 
 Exception tree::
 
@@ -30,6 +31,7 @@ from typing import Any, cast
 
 import grpc
 
+from directory.security import PLAIN, ClientSecurity
 from proto.kvdir.v1 import directory_pb2 as pb
 from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
 
@@ -143,6 +145,7 @@ class DirectoryClient:
         timeout_s: float = 5.0,
         retry_unknown: bool = True,
         rng: random.Random | None = None,
+        security: ClientSecurity = PLAIN,
     ) -> None:
         if not addresses:
             raise ValueError("at least one directory address is required")
@@ -154,7 +157,8 @@ class DirectoryClient:
             ("grpc.max_send_message_length", _MESSAGE_BYTES_MAX),
             ("grpc.max_receive_message_length", _MESSAGE_BYTES_MAX),
         ]
-        self._channels = {a: grpc.insecure_channel(a, options=opts) for a in self.addresses}
+        self.security = security
+        self._channels = {a: security.channel(a, opts) for a in self.addresses}
         self._stubs = {a: pb_grpc.PrefixDirectoryStub(c) for a, c in self._channels.items()}
         self._preferred = 0
         self.retries = 0

@@ -18,6 +18,15 @@ Example (deploy/config/directory.toml has a commented one)::
 
     [raft]            # directory.raft.RaftTuning fields
     election_min_s = 0.15
+
+    [tls]             # directory.security.TlsConfig (docs/security.md)
+    cert = "/etc/kvdir/tls/r1.crt"
+    key = "/etc/kvdir/tls/r1.key"
+    ca = "/etc/kvdir/tls/ca.crt"
+
+    [auth]            # directory.security.AuthConfig
+    admins = ["kvdir-admin"]
+    raft_password_file = "/etc/kvdir/raft.password"
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ from typing import Any
 
 from directory.limits import LEASE_MS_DEFAULT, RequestLimits
 from directory.raft import RaftTuning
+from directory.security import AuthConfig, SecurityConfigError, TlsConfig
+from directory.security import check as check_security
 
 _CLUSTER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -66,6 +77,11 @@ class DirectoryConfig:
     hearing from its leader. Only for the first start of an added replica."""
     limits: RequestLimits = field(default_factory=RequestLimits)
     raft: RaftTuning = field(default_factory=RaftTuning)
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    raft_bind_address: str = ""
+    """Where the Raft port listens ("" = raft_address: the cluster network only).
+    pysyncobj's own default is every interface."""
 
     def grpc_of_raft(self) -> dict[str, str]:
         """Raft address -> gRPC address for every member (for leader hints)."""
@@ -102,6 +118,7 @@ def from_dict(raw: dict[str, Any]) -> DirectoryConfig:
         raise ConfigError(f"bad [[peers]] entry: {e}") from e
     limits = _sub(RequestLimits, raw.pop("limits", None), "limits")
     tuning = _sub(RaftTuning, raw.pop("raft", None), "raft")
+    tls, auth = security_sections(raw)
     names = {f.name for f in dataclasses.fields(DirectoryConfig)}
     unknown = sorted(set(raw) - names)
     if unknown:
@@ -112,7 +129,7 @@ def from_dict(raw: dict[str, Any]) -> DirectoryConfig:
     if missing:
         raise ConfigError(f"missing required keys: {', '.join(missing)}")
     try:
-        cfg = DirectoryConfig(peers=peers, limits=limits, raft=tuning, **raw)
+        cfg = DirectoryConfig(peers=peers, limits=limits, raft=tuning, tls=tls, auth=auth, **raw)
     except TypeError as e:
         raise ConfigError(str(e)) from e
     _check(cfg)
@@ -120,6 +137,28 @@ def from_dict(raw: dict[str, Any]) -> DirectoryConfig:
     if len(set(ids)) != len(ids):
         raise ConfigError("replica ids must be unique")
     return cfg
+
+
+def security_sections(raw: dict[str, Any]) -> tuple[TlsConfig, AuthConfig]:
+    """Pop and check the [tls] and [auth] sections of a config dict."""
+    tls = _sub(TlsConfig, raw.pop("tls", None), "tls")
+    auth_raw = raw.pop("auth", None)
+    if isinstance(auth_raw, dict) and "admins" in auth_raw:
+        admins = auth_raw["admins"]
+        if not isinstance(admins, list) or not all(isinstance(a, str) for a in admins):
+            raise ConfigError("[auth] admins must be an array of identities")
+        auth_raw = {**auth_raw, "admins": tuple(admins)}
+    auth = _sub(AuthConfig, auth_raw, "auth")
+    for section, obj in (("tls", tls), ("auth", auth)):
+        for f in dataclasses.fields(obj):
+            value, want = getattr(obj, f.name), type(getattr(type(obj)(), f.name))
+            if not isinstance(value, want):
+                raise ConfigError(f"[{section}] {f.name} must be a {want.__name__}")
+    try:
+        check_security(tls, auth)
+    except SecurityConfigError as e:
+        raise ConfigError(str(e)) from e
+    return tls, auth
 
 
 def _check(cfg: DirectoryConfig) -> None:

@@ -23,6 +23,7 @@ from directory.config import DirectoryConfig
 from directory.membership import MembershipError, lock_data_dir, resolve_cluster_id
 from directory.metrics import DirectoryMetrics
 from directory.raft import DirectoryReplica
+from directory.security import SecurityConfigError, ServerSecurity, read_secret
 from directory.server import (
     SERVICE_NAME,
     Clock,
@@ -63,8 +64,24 @@ class DirectoryDaemon:
         self._role = new
         log.info("raft role changed", extra={"from": old, "to": new})
 
+    def _raft_password(self) -> str | None:
+        path = self.cfg.auth.raft_password_file
+        if not path:
+            log.warning(
+                "raft traffic is NOT encrypted or authenticated (no [auth] raft_password_file): "
+                "anyone who reaches %s can join the log (docs/security.md)",
+                self.cfg.raft_address,
+            )
+            return None
+        return read_secret(path, "raft password file")
+
     def start(self) -> None:
         cfg = self.cfg
+        try:
+            security = ServerSecurity(cfg.tls, cfg.auth, f"directory replica {cfg.replica_id}")
+            password = self._raft_password()
+        except SecurityConfigError as e:
+            raise StartError(str(e)) from e
         try:
             self._lock_fd = lock_data_dir(cfg.data_dir)
             cluster_id = resolve_cluster_id(cfg.data_dir, cfg.cluster_id)
@@ -79,6 +96,8 @@ class DirectoryDaemon:
                 on_state_changed=self._on_state_changed,
                 cluster_id=cluster_id,
                 join=cfg.join,
+                password=password,
+                bind_address=cfg.raft_bind_address or cfg.raft_address,
             )
         except OSError as e:
             raise StartError(f"cannot open data dir {cfg.data_dir}: {e}") from e
@@ -103,6 +122,7 @@ class DirectoryDaemon:
             futures.ThreadPoolExecutor(
                 max_workers=cfg.grpc_workers, thread_name_prefix="kvdir-grpc"
             ),
+            interceptors=[security.interceptor()],
             maximum_concurrent_rpcs=cfg.grpc_workers * 8,
             options=[
                 ("grpc.max_send_message_length", GRPC_MESSAGE_BYTES_MAX),
@@ -121,7 +141,7 @@ class DirectoryDaemon:
             names.append(pb.DESCRIPTOR.services_by_name["Echo"].full_name)
         reflection.enable_server_reflection(names, server)
         try:
-            server.add_insecure_port(cfg.grpc_address)
+            security.add_port(server, cfg.grpc_address)
         except RuntimeError as e:
             replica.destroy()
             raise StartError(f"cannot listen on gRPC address {cfg.grpc_address}") from e

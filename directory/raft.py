@@ -194,7 +194,12 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
         on_state_changed: Callable[[int, int], None] | None = None,
         cluster_id: str = "",
         join: bool = False,
+        password: str | None = None,
+        bind_address: str | None = None,
     ) -> None:
+        """`password` encrypts and authenticates every Raft message (pysyncobj's
+        Fernet, which needs `cryptography`); `bind_address` keeps the Raft port
+        on the cluster network (pysyncobj's default binds every interface)."""
         tuning = tuning or RaftTuning()
         self.kvdir_cluster_id = cluster_id  # read by FencedTransport (directory/membership.py)
         os.makedirs(data_dir, exist_ok=True)
@@ -230,6 +235,8 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
             dynamicMembershipChange=True,
             commandsQueueSize=tuning.commands_queue_max,
             onStateChanged=on_state_changed,
+            password=password,
+            bindAddress=bind_address or self_address,
         )
         self._keepalive_s = tuning.keepalive_s
         self._leader_loss_spread_s = tuning.election_max_s - tuning.election_min_s

@@ -14,6 +14,8 @@ Error contract (also in the .proto and docs/directory.md):
 - ABORTED or DEADLINE_EXCEEDED with ``kvdir-outcome: unknown``: the write may
   or may not have committed. Every write is idempotent, so retry it.
 - RESOURCE_EXHAUSTED: too many writes waiting on Raft; retry with backoff.
+- UNAUTHENTICATED (secure mode): no or bad credentials (directory.security).
+- PERMISSION_DENIED (secure mode): a write for a node the caller is not.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from directory.config import DirectoryConfig
 from directory.limits import EXPIRE_NODES_PER_COMMAND_MAX
 from directory.metrics import DirectoryMetrics
 from directory.raft import DirectoryReplica, Outcome
+from directory.security import authorize_node
 from directory.table import Match
 from proto.kvdir.v1 import directory_pb2 as pb
 from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
@@ -124,6 +127,10 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         rid, grpc_addr = self.replica.member_labels().get(raft_address, ("", ""))
         return rid or raft_address, grpc_addr
 
+    def _authorize(self, node_id: str, context: grpc.ServicerContext) -> None:
+        """A write names its node; only that node (or an admin) may make it."""
+        authorize_node(context, node_id, self.cfg.auth.admins)
+
     def _unavailable(self, context: grpc.ServicerContext, message: str) -> NoReturn:
         context.set_trailing_metadata(
             (("kvdir-outcome", "not-applied"), ("kvdir-leader", self.leader_grpc()))
@@ -188,6 +195,7 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
     def Publish(
         self, request: pb.PublishRequest, context: grpc.ServicerContext
     ) -> pb.PublishResponse:
+        self._authorize(request.node_id, context)
         cmd = validate.publish(request, self.limits)
         self.metrics.publish_batch.observe(len(cmd.hashes))
         res = self._write(cmd, context)
@@ -198,6 +206,7 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
 
     @_rpc
     def Remove(self, request: pb.RemoveRequest, context: grpc.ServicerContext) -> pb.RemoveResponse:
+        self._authorize(request.node_id, context)
         res = self._write(validate.remove(request, self.limits), context)
         assert isinstance(res, Removed)
         return pb.RemoveResponse(removed=res.removed, applied_index=self.replica.raftLastApplied)
@@ -206,6 +215,7 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
     def RegisterNode(
         self, request: pb.RegisterNodeRequest, context: grpc.ServicerContext
     ) -> pb.RegisterNodeResponse:
+        self._authorize(request.node_id, context)
         nid, lease_ms = validate.registration(request, self.cfg.lease_default_ms)
         cmd = RegisterNode(
             nid,
@@ -236,6 +246,7 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
     def Heartbeat(
         self, request: pb.HeartbeatRequest, context: grpc.ServicerContext
     ) -> pb.HeartbeatResponse:
+        self._authorize(request.node_id, context)
         cmd = Heartbeat(validate.node_id(request.node_id), request.incarnation, self.clock.now_ms())
         res = self._write(cmd, context)
         assert isinstance(res, Renewed)
@@ -245,6 +256,7 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
     def ClearNode(
         self, request: pb.ClearNodeRequest, context: grpc.ServicerContext
     ) -> pb.ClearNodeResponse:
+        self._authorize(request.node_id, context)
         ns = validate.namespace_key(request.namespace) if request.HasField("namespace") else None
         cmd = ClearNode(
             validate.node_id(request.node_id), request.incarnation, ns, request.deregister

@@ -9,6 +9,7 @@
     kvdir demo              a short cluster replay: real directory and agents, simulated GPUs
     kvdir bench directory   the directory benchmark
     kvdir bench replay      the seed's cluster experiment on a trace (docs/replay.md)
+    kvdir fuzz              hostile input against real daemons; a report
 
 Failures print one line, ``kvdir: error: ...``, and exit non-zero.
 """
@@ -25,9 +26,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from directory.client import DirectoryClient, DirectoryError, namespace
-from directory.config import ConfigError, DirectoryConfig, from_dict, load, parse_peer
+from directory.config import ConfigError, DirectoryConfig, from_dict, parse_peer, read_toml
 from directory.raft import RaftTuning
-from kvdir import ops
+from directory.security import ClientSecurity, SecurityConfigError
+from kvdir import ops, secflags
 from proto.kvdir.v1 import directory_pb2 as pb
 
 DEFAULT_ADDRS = "127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103"
@@ -55,7 +57,7 @@ def _serve_config(args: argparse.Namespace) -> DirectoryConfig:
     peers = [parse_peer(p) for p in args.peer]
     tune = _tuning(args.tune)
     if args.config:
-        cfg = load(args.config, overrides)
+        cfg = from_dict(secflags.apply_daemon_flags(read_toml(args.config, overrides), args))
         if tune:
             cfg = dataclasses.replace(cfg, raft=dataclasses.replace(cfg.raft, **tune))
         if peers:
@@ -68,7 +70,7 @@ def _serve_config(args: argparse.Namespace) -> DirectoryConfig:
     ]
     if tune:
         raw["raft"] = tune
-    return from_dict(raw)
+    return from_dict(secflags.apply_daemon_flags(raw, args))
 
 
 def _tuning(specs: list[str]) -> dict[str, Any]:
@@ -158,9 +160,10 @@ def cmd_agent_serve(args: argparse.Namespace) -> int:
     if args.engine:
         overrides["engines"] = [_engine_spec(e) for e in args.engine]
     if args.config:
-        cfg = agent_config.load(args.config, overrides)
+        raw = read_toml(args.config, overrides)
     else:
-        cfg = agent_config.from_dict({k: v for k, v in overrides.items() if v is not None})
+        raw = {k: v for k, v in overrides.items() if v is not None}
+    cfg = agent_config.from_dict(secflags.apply_daemon_flags(raw, args))
     logs.setup(cfg.log_format, args.log_level, {"node_id": cfg.node_id})
     daemon = AgentDaemon(cfg)
     try:
@@ -178,7 +181,7 @@ def cmd_agent_serve(args: argparse.Namespace) -> int:
 
 def _client(args: argparse.Namespace) -> DirectoryClient:
     addrs = [a.strip() for a in args.addr.split(",") if a.strip()]
-    return DirectoryClient(addrs, timeout_s=args.timeout)
+    return DirectoryClient(addrs, timeout_s=args.timeout, security=secflags.client_security(args))
 
 
 def _print(args: argparse.Namespace, obj: Any, text: Callable[[], str]) -> None:
@@ -281,7 +284,9 @@ def format_members(statuses: Sequence[tuple[str, pb.ClusterStatusResponse | None
     return "\n".join(lines)
 
 
-def _ready_once(addr: str, agent: bool, timeout_s: float) -> tuple[bool, str]:
+def _ready_once(
+    addr: str, agent: bool, timeout_s: float, security: ClientSecurity
+) -> tuple[bool, str]:
     """One probe: (ready, what it answered)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -290,7 +295,7 @@ def _ready_once(addr: str, agent: bool, timeout_s: float) -> tuple[bool, str]:
     from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
 
     target = addr if ":" in addr or addr.startswith("unix:") else f"unix:{addr}"
-    with grpc.insecure_channel(target) as ch:
+    with security.channel(target) as ch:
         try:
             if agent:
                 h = apb_grpc.AgentStub(ch).Health(apb.AgentHealthRequest(), timeout=timeout_s)
@@ -321,13 +326,14 @@ def cmd_wait_ready(args: argparse.Namespace) -> int:
             raise CliError(f"{args.config}: no {key} to probe")
         args.addr = raw[key]
     addrs = [a.strip() for a in args.addr.split(",") if a.strip()]
+    security = secflags.client_security(args)
     deadline = time.monotonic() + args.timeout
     last: dict[str, str] = {}
     pending = list(addrs)
     while pending:
         for a in list(pending):
             probe_s = max(0.1, min(1.0, deadline - time.monotonic()))
-            ok, last[a] = _ready_once(a, args.agent, probe_s)
+            ok, last[a] = _ready_once(a, args.agent, probe_s, security)
             if ok:
                 pending.remove(a)
         if not pending:
@@ -524,6 +530,7 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     )
     s.add_argument("--log-format", choices=["json", "text"])
     s.add_argument("--log-level", default="INFO")
+    secflags.add_daemon_flags(s, directory=True)
     s.set_defaults(func=cmd_serve)
     ops.add_directory_parsers(d)
 
@@ -556,6 +563,7 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     )
     a.add_argument("--log-format", choices=["json", "text"])
     a.add_argument("--log-level", default="INFO")
+    secflags.add_daemon_flags(a, directory=False)
     a.set_defaults(func=cmd_agent_serve)
 
     ctl = sub.add_parser("ctl", help="inspect a running directory").add_subparsers(
@@ -572,6 +580,7 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
         )
         c.add_argument("--timeout", type=float, default=5.0)
         c.add_argument("--json", action="store_true")
+        secflags.add_client_flags(c)
         c.set_defaults(func=func)
         if name == "lookup":
             c.add_argument("--model", required=True)
@@ -602,6 +611,7 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
         action="store_true",
         help="probe kvdir.v1.Agent.Health (ready: connected to the directory)",
     )
+    secflags.add_client_flags(w)
     w.set_defaults(func=cmd_wait_ready)
     ch = ctl.add_parser(
         "check-hashes",
@@ -618,9 +628,10 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     ch.add_argument("--timeout", type=float, default=30.0)
     ch.set_defaults(func=cmd_check_hashes)
 
-    from kvdir import demo
+    from kvdir import demo, fuzz
 
     demo.add_parser(sub)
+    fuzz.add_parser(sub)
     if with_benchmarks:
         from kvdir.bench import add_parsers
 
@@ -639,7 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rc: int = args.func(args)
         return rc
-    except (CliError, ConfigError, DirectoryError, ops.OpsError) as e:
+    except (CliError, ConfigError, DirectoryError, ops.OpsError, SecurityConfigError) as e:
         print(f"kvdir: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

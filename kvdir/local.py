@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from directory.client import DirectoryClient, DirectoryError
+from directory.security import PLAIN, ClientSecurity
 from proto.kvdir.v1 import directory_pb2 as pb
 
 LOOPBACK = "127.0.0.1"
@@ -82,6 +83,8 @@ class LocalCluster:
     enable_echo: bool = False
     extra_args: list[str] = field(default_factory=list)
     replicas: list[Replica] = field(default_factory=list)
+    security: ClientSecurity = PLAIN
+    """How this harness's own clients reach the replicas (TLS clusters: tests/security)."""
 
     def __post_init__(self) -> None:
         for _ in range(self.size):
@@ -164,12 +167,12 @@ class LocalCluster:
         self.wait_leader(timeout_s)
 
     def client(self, timeout_s: float = 5.0) -> DirectoryClient:
-        return DirectoryClient(self.grpc_addresses, timeout_s=timeout_s)
+        return DirectoryClient(self.grpc_addresses, timeout_s=timeout_s, security=self.security)
 
     def statuses(self) -> dict[str, pb.ClusterStatusResponse]:
         """Status of each live replica that answers right now."""
         out = {}
-        with DirectoryClient(self.grpc_addresses, timeout_s=0.5) as c:
+        with DirectoryClient(self.grpc_addresses, timeout_s=0.5, security=self.security) as c:
             for r in self.replicas:
                 if not r.alive:
                     continue
@@ -246,6 +249,7 @@ class LocalAgent:
     """`--pool` spec, e.g. "model=m,block_tokens=16,slot_bytes=65536,slots=256"."""
     transports: str = "tcp,shm"
     lease_ms: int = 2000
+    extra_args: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
 
     def __post_init__(self) -> None:
@@ -285,6 +289,7 @@ class LocalAgent:
             self.pool_dir,
             "--pool",
             self.pool,
+            *self.extra_args,
         ]
 
     @property

@@ -18,6 +18,7 @@ import grpc
 
 from directory import backup
 from directory.membership import MembershipError
+from kvdir import secflags
 from proto.kvdir.v1 import directory_pb2 as pb
 from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
 
@@ -52,7 +53,7 @@ def _membership(args: argparse.Namespace, method: str, request: Any) -> pb.Membe
     while time.monotonic() < deadline and tried < 64:
         tried += 1
         left = max(0.1, deadline - time.monotonic())
-        with grpc.insecure_channel(target) as ch:
+        with secflags.client_security(args).channel(target) as ch:
             try:
                 resp: pb.MembershipResponse = getattr(pb_grpc.DirectoryAdminStub(ch), method)(
                     request, timeout=left
@@ -114,7 +115,7 @@ def cmd_backup(args: argparse.Namespace) -> int:
     for addr in _addrs(args.addr):
         tmp = f"{args.out}.partial-{os.getpid()}"
         try:
-            with grpc.insecure_channel(addr) as ch, open(tmp, "wb") as f:
+            with secflags.client_security(args).channel(addr) as ch, open(tmp, "wb") as f:
                 got = 0
                 for chunk in pb_grpc.DirectoryAdminStub(ch).Backup(
                     pb.BackupRequest(skip_barrier=args.skip_barrier), timeout=args.timeout
@@ -194,6 +195,7 @@ def add_ctl_parsers(ctl: Any, default_addrs: str) -> None:
         c.add_argument("--addr", default=default_addrs, help="replica gRPC addresses")
         c.add_argument("--timeout", type=float, default=15.0)
         c.set_defaults(func=func)
+        secflags.add_client_flags(c)
         if name == "add-replica":
             c.add_argument("--id", help="its replica id (shown by every member)")
             c.add_argument("--grpc", help="its gRPC HOST:PORT (leader hints to clients)")
@@ -207,6 +209,7 @@ def add_ctl_parsers(ctl: Any, default_addrs: str) -> None:
         help="no Raft barrier first: what the replica applied (works without a quorum)",
     )
     b.set_defaults(func=cmd_backup)
+    secflags.add_client_flags(b)
 
 
 def add_directory_parsers(d: Any) -> None:

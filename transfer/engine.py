@@ -68,8 +68,10 @@ class TransferEngine:
         host: str = "127.0.0.1",
         shared: Sequence[SharedMemory] = (),
         rdma: RdmaOptions | None = None,
+        tcp_tls: Any = None,
     ) -> None:
-        """`rdma`: options of the rdma backend (device, port, GID index, exchange)."""
+        """`rdma`: options of the rdma backend (device, port, GID index, exchange);
+        `tcp_tls`: a `transfer.tcp.TcpTls` to serve and read tcp over TLS."""
         unknown = [b for b in backends if b not in _BACKENDS]
         if unknown:
             raise ValueError(
@@ -83,7 +85,7 @@ class TransferEngine:
             if name == "rdma":
                 self.transports[name] = factory(rdma, registry=self.registry)
             elif name == "tcp":
-                self.transports[name] = factory(host=host, registry=self.registry)
+                self.transports[name] = factory(host=host, registry=self.registry, tls=tcp_tls)
             elif name == "shm":
                 if not shared:
                     raise ValueError("the shm backend needs the pools' shared memory")

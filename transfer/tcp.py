@@ -10,10 +10,17 @@ Wire format (little-endian), version 1, one TCP connection per (reader, holder):
 
 The holder checks every segment against its `Registry` (rkey granted, range
 inside the region) before sending a byte, so a reader can read only what was
-registered. The reader receives straight into its destination slots
-(`recv_into` on slices of dst; no intermediate buffer) and keeps several
-requests in flight on the connection so the holder's sends never wait for a
-round trip.
+registered. A request asks for at most REQUEST_BYTES_MAX bytes, and a segment
+that cannot be sent within SEND_STALL_S (a reader that stopped draining its
+socket) ends the connection, so hostile readers cannot pin the holder's
+connection threads for long. The reader receives straight into its
+destination slots (`recv_into` on slices of dst; no intermediate buffer) and
+keeps several requests in flight on the connection so the holder's sends
+never wait for a round trip.
+
+With `TcpTls` (the agent's [tls]) every connection is TLS: the holder requires
+a client certificate from the cluster CA, the reader verifies the holder's,
+and the descriptor says so (``tls=1``), so neither side falls back to clear.
 """
 
 from __future__ import annotations
@@ -21,11 +28,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import socket
+import ssl
 import struct
 import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from transfer.base import (
     AccessDenied,
@@ -57,6 +66,17 @@ SEGMENTS_PER_REQUEST_MAX = 1024
 REQUEST_BYTES_MAX = 64 << 20
 REQUESTS_INFLIGHT_MAX = 8
 CONNECTIONS_MAX = 256
+TLS_HANDSHAKE_S = 5.0
+SEND_STALL_S = 30.0
+"""Longest send of one response segment (at most 64 MiB: over 2 MB/s) before hanging up."""
+
+
+@dataclass(frozen=True, slots=True)
+class TcpTls:
+    """TLS contexts of one agent: `server` requires client certificates from the CA."""
+
+    server: ssl.SSLContext
+    client: ssl.SSLContext
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -84,8 +104,15 @@ def _tune(sock: socket.socket) -> None:
 class TcpServer:
     """Serves reads of registered memory (the holder side). One thread per connection."""
 
-    def __init__(self, registry: Registry, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         self.registry = registry
+        self.tls = tls
         self.sock = socket.create_server((host, port), reuse_port=False)
         self.address = f"{host}:{self.sock.getsockname()[1]}"
         self._slots = threading.BoundedSemaphore(CONNECTIONS_MAX)
@@ -115,8 +142,18 @@ class TcpServer:
                 target=self._serve, args=(conn,), name="kvdir-tcp-conn", daemon=True
             ).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _handshake(self, conn: socket.socket) -> socket.socket:
+        if self.tls is None:
+            return conn
+        conn.settimeout(TLS_HANDSHAKE_S)
+        wrapped = self.tls.wrap_socket(conn, server_side=True)
+        wrapped.settimeout(None)
+        return wrapped
+
+    def _serve(self, raw: socket.socket) -> None:
+        conn = raw
         try:
+            conn = self._handshake(raw)
             while not self._stop.is_set():
                 try:
                     head = _recv_exact(conn, _HEAD.size)
@@ -127,8 +164,9 @@ class TcpServer:
             log.debug("tcp connection ended: %s", e)
         finally:
             with self._lock:
-                self._conns.discard(conn)
+                self._conns.discard(raw)
             conn.close()
+            raw.close()
             self._slots.release()
 
     def _answer(self, conn: socket.socket, head: bytes) -> None:
@@ -148,6 +186,16 @@ class TcpServer:
             )
             raise TransferError("protocol error")  # the stream is out of sync: hang up
         segs = _recv_exact(conn, _SEG.size * count)
+        total = sum(length for _, _, length in _SEG.iter_unpack(segs))
+        if total > REQUEST_BYTES_MAX:
+            self._refuse(
+                conn,
+                STATUS_BAD_REQUEST,
+                count,
+                req_id,
+                f"a request of {total} bytes is over the limit of {REQUEST_BYTES_MAX}",
+            )
+            return
         views = []
         try:
             for addr, rkey, length in _SEG.iter_unpack(segs):
@@ -156,10 +204,14 @@ class TcpServer:
             self.denied += 1
             self._refuse(conn, STATUS_DENIED, count, req_id, str(e))
             return
-        conn.sendall(_HEAD.pack(MAGIC, VERSION, STATUS_OK, 0, count, req_id))
-        for v in views:
-            conn.sendall(v)
-            self.bytes_served += len(v)
+        conn.settimeout(SEND_STALL_S)  # a reader that stops reading is cut off
+        try:
+            conn.sendall(_HEAD.pack(MAGIC, VERSION, STATUS_OK, 0, count, req_id))
+            for v in views:
+                conn.sendall(v)
+                self.bytes_served += len(v)
+        finally:
+            conn.settimeout(None)
 
     @staticmethod
     def _refuse(conn: socket.socket, status: int, count: int, req_id: int, why: str) -> None:
@@ -181,10 +233,13 @@ class TcpServer:
 class TcpChannel(Channel):
     """Reader side: batched, pipelined reads from one holder."""
 
-    def __init__(self, endpoint: str, connect_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self, endpoint: str, connect_timeout_s: float = 2.0, tls: ssl.SSLContext | None = None
+    ) -> None:
         host, _, port = endpoint.rpartition(":")
         self.endpoint = (host, int(port))
         self.connect_timeout_s = connect_timeout_s
+        self.tls = tls
         self._sock: socket.socket | None = None
         self._next_id = 1
         self._lock = threading.Lock()
@@ -193,7 +248,9 @@ class TcpChannel(Channel):
         if self._sock is None:
             try:
                 s = socket.create_connection(self.endpoint, timeout=self.connect_timeout_s)
-            except OSError as e:
+                if self.tls is not None:
+                    s = self.tls.wrap_socket(s, server_hostname=self.endpoint[0])
+            except OSError as e:  # ssl.SSLError included: a refused certificate
                 raise PeerUnavailable(f"cannot connect to {self.endpoint}: {e}") from e
             _tune(s)
             self._sock = s
@@ -294,19 +351,32 @@ class TcpTransport(Transport):
     name = "tcp"
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, registry: Registry | None = None
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        registry: Registry | None = None,
+        tls: TcpTls | None = None,
     ) -> None:
         self.registry = registry or Registry()
-        self.server = TcpServer(self.registry, host, port)
+        self.tls = tls
+        self.server = TcpServer(self.registry, host, port, tls.server if tls else None)
 
     def register(self, memory: memoryview) -> Region:
         return self.registry.register(memory)
 
     def descriptor(self) -> dict[str, str]:
-        return {"transport": self.name, "endpoint": self.server.address}
+        out = {"transport": self.name, "endpoint": self.server.address}
+        if self.tls is not None:
+            out["tls"] = "1"
+        return out
 
     def connect(self, descriptor: dict[str, str]) -> Channel:
-        return TcpChannel(descriptor["endpoint"])
+        holder_tls = descriptor.get("tls") == "1"
+        if holder_tls and self.tls is None:
+            raise PeerUnavailable("the holder serves tcp over TLS; this agent has no [tls]")
+        if self.tls is not None and not holder_tls:
+            raise PeerUnavailable("the holder serves tcp without TLS; refusing to read in clear")
+        return TcpChannel(descriptor["endpoint"], tls=self.tls.client if self.tls else None)
 
     def close(self) -> None:
         self.server.close()
