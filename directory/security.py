@@ -30,7 +30,7 @@ import hmac
 import logging
 import ssl
 import tomllib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -339,19 +339,50 @@ class _Interceptor(_InterceptorBase):
         return _wrap(handler, self.security, open_call, method.rsplit("/", 1)[-1])
 
 
+def _with_identity(ident: str | None, call: Callable[[], Any]) -> Any:
+    token = _IDENTITY.set(ident)
+    try:
+        return call()
+    finally:
+        _IDENTITY.reset(token)
+
+
+def _stepped(ident: str | None, responses: Iterable[Any]) -> Iterator[Any]:
+    """`responses` with the caller's identity set around every step.
+
+    A streaming handler's body runs when gRPC pulls each response, long after
+    the handler returned its generator, so the identity must be in place for
+    each pull, not just for the call that made the generator.
+    """
+    it = _with_identity(ident, lambda: iter(responses))
+    while True:
+        try:
+            item = _with_identity(ident, lambda: next(it))
+        except StopIteration:
+            return
+        yield item
+
+
 def _wrap(
     handler: grpc.RpcMethodHandler[Any, Any], security: ServerSecurity, open_call: bool, what: str
 ) -> grpc.RpcMethodHandler[Any, Any]:
+    def caller(request: Any, context: grpc.ServicerContext) -> str | None:
+        ident = None if open_call else security.authenticate(context)
+        if isinstance(request, _Malformed):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        return ident
+
     def guard(behavior: Callable[..., Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
         def run(request: Any, context: grpc.ServicerContext) -> Any:
-            ident = None if open_call else security.authenticate(context)
-            if isinstance(request, _Malformed):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-            token = _IDENTITY.set(ident)
-            try:
-                return behavior(request, context)
-            finally:
-                _IDENTITY.reset(token)
+            ident = caller(request, context)
+            return _with_identity(ident, lambda: behavior(request, context))
+
+        return run
+
+    def guard_stream(behavior: Callable[..., Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+        def run(request: Any, context: grpc.ServicerContext) -> Any:
+            ident = caller(request, context)
+            return _stepped(ident, _with_identity(ident, lambda: behavior(request, context)))
 
         return run
 
@@ -360,20 +391,22 @@ def _wrap(
     if handler.unary_unary is not None:
         return grpc.unary_unary_rpc_method_handler(guard(handler.unary_unary), deser, ser)
     if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(guard(handler.unary_stream), deser, ser)
+        return grpc.unary_stream_rpc_method_handler(guard_stream(handler.unary_stream), deser, ser)
 
-    def streamed(behavior: Callable[..., Any]) -> Callable[[Any, grpc.ServicerContext], Any]:
+    def streamed(behavior: Callable[..., Any], out_stream: bool) -> Callable[..., Any]:
         def run(requests: Any, context: grpc.ServicerContext) -> Any:
-            if not open_call:
-                security.authenticate(context)
-            return behavior(_checked(requests, context), context)
+            ident = None if open_call else security.authenticate(context)
+            result = _with_identity(ident, lambda: behavior(_checked(requests, context), context))
+            return _stepped(ident, result) if out_stream else result
 
         return run
 
     if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(streamed(handler.stream_unary), deser, ser)
+        return grpc.stream_unary_rpc_method_handler(
+            streamed(handler.stream_unary, False), deser, ser
+        )
     assert handler.stream_stream is not None
-    return grpc.stream_stream_rpc_method_handler(streamed(handler.stream_stream), deser, ser)
+    return grpc.stream_stream_rpc_method_handler(streamed(handler.stream_stream, True), deser, ser)
 
 
 def _checked(requests: Iterable[Any], context: grpc.ServicerContext) -> Iterable[Any]:
