@@ -175,6 +175,20 @@ def run_shape(
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    return run_args(ap.parse_args(argv))
+
+
+def _command_line() -> str:
+    """How this run was started: `kvdir bench gpu ...` or the module itself."""
+    prog = os.path.basename(sys.argv[0])
+    if prog == "kvdir":
+        return shlex.join(["kvdir", *sys.argv[1:]])
+    return "python -m bench.gpu.experiment " + shlex.join(sys.argv[1:])
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The experiment's flags (shared with `kvdir bench gpu`)."""
     ap.add_argument("--run", type=parse_run, action="append", help="SHAPE[:LAYERS]=N,N,..")
     ap.add_argument(
         "--gpu-a", type=int, default=0, help="node A's GPU (the holder); -1: CPU dry run"
@@ -186,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-dir", default="/dev/shm")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--tag", default="gpu")
-    a = ap.parse_args(argv)
+
+
+def run_args(a: argparse.Namespace) -> int:
     runs = a.run or [("8b", 0, [1024, 4096, 8192]), ("70b", 20, [4096, 8192])]
     for shape, _, contexts in runs:
         if any(c % a.block_size for c in contexts):
@@ -201,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     doc = {
         "kind": "gpu",
         "date": stamp.isoformat(timespec="seconds"),
-        "command": "python -m bench.gpu.experiment " + shlex.join(argv or sys.argv[1:]),
+        "command": _command_line(),
         "host": platform.node(),
         "python": platform.python_version(),
         "seconds": time.time() - started,

@@ -26,6 +26,9 @@ def add_parsers(sub: Any) -> None:
     from kvdir.bench import replay
 
     replay.add_parser(kinds)
+    from kvdir.bench import gpu
+
+    gpu.add_parser(kinds)
 
 
 __all__ = ["add_parsers", "argparse"]
