@@ -31,10 +31,22 @@ MODES = ("ok", "reset", "break", "unhealthy")
 
 
 class EchoBackend:
-    def __init__(self, name: str, model: str = "test-model", stream_chunks: int = 4) -> None:
+    def __init__(
+        self, name: str, model: str = "test-model", stream_chunks: int = 4, fixed: bool = False
+    ) -> None:
         self.name = name
+        self.fixed = fixed
+        """Answer one small JSON without reading the prompt (a benchmark's cheapest backend)."""
         self.model = model
         self.stream_chunks = stream_chunks
+        self._fixed_body = json.dumps(
+            {
+                "id": f"cmpl-{name}",
+                "object": "text_completion",
+                "backend": name,
+                "choices": [{"index": 0, "text": f"from {name}", "finish_reason": "length"}],
+            }
+        ).encode()
         self.mode = "ok"
         self.delay_s = 0.0
         self.active = 0
@@ -87,6 +99,8 @@ class EchoBackend:
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
+        if self.fixed:
+            return web.Response(body=self._fixed_body, content_type="application/json")
         if self.mode == "reset":
             assert request.transport is not None
             request.transport.abort()
@@ -152,8 +166,9 @@ def main() -> None:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--name", required=True)
     p.add_argument("--model", default="test-model")
+    p.add_argument("--fixed", action="store_true", help="answer without parsing the prompt")
     a = p.parse_args()
-    backend = EchoBackend(a.name, a.model)
+    backend = EchoBackend(a.name, a.model, fixed=a.fixed)
     try:
         import uvloop
 
