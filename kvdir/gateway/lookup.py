@@ -2,9 +2,10 @@
 
 Requests that arrive while a `LookupBatch` is in flight are sent together in
 the next one (natural batching: no timer, so an idle gateway adds no wait and
-a busy one pays one round trip per batch). The gRPC call runs on one worker
-thread with the client's own failover across replicas, under a deadline of
-`lookup_timeout_ms`.
+a busy one pays one round trip per batch). The call is made with grpc.aio on
+the gateway's own event loop (a worker thread would wait for the GIL behind
+the loop, up to the 5 ms switch interval), tried on each replica in turn
+(any replica answers local reads) under one deadline of `lookup_timeout_ms`.
 
 When a lookup fails the gateway degrades: for `directory_retry_s` every
 request is answered `None` at once (routed least-loaded by the caller, and
@@ -19,17 +20,27 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-from directory.client import DirectoryClient, DirectoryError
-from kvdir.routing.directory_source import DirectorySource
+import grpc
+
+from directory.client import lookup_request
+from kvdir.routing.directory_source import prompt_of
 from kvdir.routing.policy import Prompt
 from proto.kvdir.v1 import directory_pb2 as pb
+from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
+
+_MESSAGE_BYTES_MAX = 64 * 1024 * 1024
 
 log = logging.getLogger("kvdir.gateway")
 
 QUEUE_MAX = 4096
 """Lookups waiting for a batch; past it a request is routed without one (degraded)."""
+
+
+class LookupFailed(Exception):
+    pass
+
 
 _Item = tuple[pb.Namespace, list[bytes], "asyncio.Future[Prompt | None]"]
 
@@ -44,21 +55,29 @@ class DirectoryLookups:
         on_state: Callable[[bool], None] = lambda up: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._client = DirectoryClient(addresses, timeout_s=timeout_s) if addresses else None
+        self._addresses = list(addresses)
+        self._channels: list[grpc.aio.Channel] = []
+        self._stubs: list[Any] = []  # aio stubs (the generated types are the sync ones)
+        self._preferred = 0
         self._timeout_s = timeout_s
         self._retry_s = retry_s
         self._batch_max = batch_max
         self._on_state = on_state
         self._clock = clock
         self._down_until = 0.0
-        self.up = self._client is not None
+        self.up = bool(self._addresses)
         self.reason = "" if self.up else "no directory configured"
         self._queue: asyncio.Queue[_Item] | None = None
         self._task: asyncio.Task[None] | None = None
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvdir-gw-lookup")
 
     def start(self) -> None:
-        if self._client is not None:
+        if self._addresses:
+            opts = [
+                ("grpc.max_send_message_length", _MESSAGE_BYTES_MAX),
+                ("grpc.max_receive_message_length", _MESSAGE_BYTES_MAX),
+            ]
+            self._channels = [grpc.aio.insecure_channel(a, options=opts) for a in self._addresses]
+            self._stubs = [pb_grpc.PrefixDirectoryStub(c) for c in self._channels]
             self._queue = asyncio.Queue(QUEUE_MAX)
             self._task = asyncio.get_running_loop().create_task(self._run())
         self._on_state(self.up)
@@ -68,9 +87,8 @@ class DirectoryLookups:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._client is not None:
-            self._client.close()
+        for c in self._channels:
+            await c.close(None)
 
     def available(self) -> bool:
         return self._queue is not None and self._clock() >= self._down_until
@@ -89,7 +107,6 @@ class DirectoryLookups:
 
     async def _run(self) -> None:
         assert self._queue is not None
-        loop = asyncio.get_running_loop()
         while True:
             batch = [await self._queue.get()]
             while len(batch) < self._batch_max and not self._queue.empty():
@@ -98,8 +115,8 @@ class DirectoryLookups:
                 self._resolve_none(batch)
                 continue
             try:
-                prompts = await loop.run_in_executor(self._pool, self._lookup, batch)
-            except (DirectoryError, AssertionError) as e:
+                prompts = await self._lookup(batch)
+            except LookupFailed as e:
                 self._fail(batch, str(e))
                 continue
             self._set_state(True, "")
@@ -107,18 +124,40 @@ class DirectoryLookups:
                 if not fut.done():
                     fut.set_result(p)
 
-    def _lookup(self, batch: list[_Item]) -> list[Prompt]:
-        """One LookupBatch per namespace present in the batch (on the worker thread)."""
-        assert self._client is not None
+    async def _lookup(self, batch: list[_Item]) -> list[Prompt]:
+        """One LookupBatch per namespace in the batch (a batch is at most `batch_max`)."""
         out: list[Prompt | None] = [None] * len(batch)
         by_ns: dict[bytes, list[int]] = {}
         for i, (ns, _, _) in enumerate(batch):
             by_ns.setdefault(ns.SerializeToString(deterministic=True), []).append(i)
+        deadline = time.monotonic() + self._timeout_s
         for idx in by_ns.values():
-            source = DirectorySource(self._client, batch[idx[0]][0], batch_max=self._batch_max)
-            for i, p in zip(idx, source.prompts([batch[i][1] for i in idx]), strict=True):
-                out[i] = p
+            reqs = [lookup_request(batch[i][0], batch[i][1], omit_records=True) for i in idx]
+            resp = await self._call(pb.LookupBatchRequest(lookups=reqs), deadline)
+            if len(resp.results) != len(idx):
+                raise LookupFailed(f"{len(resp.results)} answers to {len(idx)} lookups")
+            for i, r in zip(idx, resp.results, strict=True):
+                out[i] = prompt_of(len(batch[i][1]), r)
         return [p for p in out if p is not None]
+
+    async def _call(self, req: pb.LookupBatchRequest, deadline: float) -> pb.LookupBatchResponse:
+        """The first replica that answers before the deadline (local reads: any replica)."""
+        last = "deadline passed"
+        for k in range(len(self._stubs)):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            i = (self._preferred + k) % len(self._stubs)
+            try:
+                resp: pb.LookupBatchResponse = await self._stubs[i].LookupBatch(req, timeout=left)
+            except grpc.aio.AioRpcError as e:
+                last = f"{self._addresses[i]}: {e.code().name}: {e.details()}"
+                if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise LookupFailed(last) from None
+                continue
+            self._preferred = i
+            return resp
+        raise LookupFailed(f"no directory replica answered: {last}")
 
     def _fail(self, batch: list[_Item], why: str) -> None:
         self._down_until = self._clock() + self._retry_s

@@ -14,6 +14,7 @@ engine stays the judge of everything else.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -111,11 +112,13 @@ class ModelPrompts:
         return self._limit(ids, "prompt")
 
     def token_ids(self, v: Sequence[Any], param: str) -> list[int]:
-        for t in v:
-            if type(t) is not int or not 0 <= t <= TOKEN_ID_MAX:
-                raise bad_request(
-                    f"'{param}' token ids must be integers in 0..{TOKEN_ID_MAX}", param
-                )
+        try:
+            array("I", v)  # one C pass: rejects floats, strings, negatives and > u32
+            ok = True
+        except (TypeError, OverflowError):
+            ok = False
+        if not ok or bool in set(map(type, v)):  # JSON true/false are ints to array()
+            raise bad_request(f"'{param}' token ids must be integers in 0..{TOKEN_ID_MAX}", param)
         return self._limit(list(v), param)
 
     def _limit(self, ids: list[int], param: str) -> list[int]:
