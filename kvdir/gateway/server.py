@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -245,9 +246,12 @@ class Gateway:
         """The request's model, its prefix holders (None: route unkeyed), and token count."""
         t = self._clock()
         try:
-            obj = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad_request(f"the body is not valid JSON: {e}") from None
+            obj = orjson.loads(body)  # ~4x json's speed on long token-id lists
+        except orjson.JSONDecodeError:
+            try:  # what orjson refuses but JSON allows (integers past 64 bits)
+                obj = json.loads(body)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise bad_request(f"the body is not valid JSON: {e}") from None
         if not isinstance(obj, dict):
             raise bad_request("the body must be a JSON object")
         model = obj.get("model")
