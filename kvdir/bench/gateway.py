@@ -267,10 +267,10 @@ def run(args: argparse.Namespace) -> int:
             "ms",
         )
     ]
-    rows = [
+    rows: list[tuple[str, ...]] = [
         (
             name,
-            s["n"],
+            f"{int(s['n']):,}",
             f"{s['p50_ms']:.2f}",
             f"{s['p90_ms']:.2f}",
             f"{s['p99_ms']:.2f}",
