@@ -40,6 +40,12 @@ class HashSchemeError(ValueError):
 
 def _u32le(tokens: Sequence[int]) -> bytes:
     """The tokens as little-endian uint32 bytes (struct.error when one is out of range)."""
+    if isinstance(tokens, array) and tokens.typecode == "I" and tokens.itemsize == 4:
+        return (
+            tokens.tobytes()
+            if sys.byteorder == "little"
+            else struct.pack(f"<{len(tokens)}I", *tokens)
+        )
     if sys.byteorder == "little":
         try:
             return array("I", tokens).tobytes()  # one C pass instead of a pack per block

@@ -63,7 +63,7 @@ class ModelPrompts:
             except TemplateError as e:
                 raise ConfigError(f"model {cfg.name!r}: bad chat template: {e}") from e
 
-    def completion_tokens(self, body: dict[str, Any]) -> list[int]:
+    def completion_tokens(self, body: dict[str, Any]) -> Sequence[int]:
         prompt = body.get("prompt")
         if prompt is None:
             raise bad_request("'prompt' is required", "prompt")
@@ -75,7 +75,7 @@ class ModelPrompts:
             return self.token_ids(prompt, "prompt")
         raise bad_request("'prompt' must be a string, token ids, or a list of either", "prompt")
 
-    def chat_tokens(self, body: dict[str, Any]) -> list[int] | None:
+    def chat_tokens(self, body: dict[str, Any]) -> Sequence[int] | None:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise bad_request("'messages' must be a non-empty array", "messages")
@@ -101,7 +101,7 @@ class ModelPrompts:
             raise bad_request(f"the chat template refused the messages: {e}", "messages") from e
         return self.encode(text, add_special_tokens=False)
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool) -> Sequence[int]:
         if self.tokenizer is None:
             raise bad_request(
                 f"model {self.cfg.name!r} has no tokenizer configured at the gateway: "
@@ -111,17 +111,18 @@ class ModelPrompts:
         ids: list[int] = self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         return self._limit(ids, "prompt")
 
-    def token_ids(self, v: Sequence[Any], param: str) -> list[int]:
+    def token_ids(self, v: Sequence[Any], param: str) -> Sequence[int]:
+        """The ids as a uint32 array: one C pass that refuses floats, strings, negatives and
+        ids past 2^32 (JSON true/false pass as 1/0: the engine judges those)."""
         try:
-            array("I", v)  # one C pass: rejects floats, strings, negatives and > u32
-            ok = True
+            ids = array("I", v)
         except (TypeError, OverflowError):
-            ok = False
-        if not ok or bool in set(map(type, v)):  # JSON true/false are ints to array()
-            raise bad_request(f"'{param}' token ids must be integers in 0..{TOKEN_ID_MAX}", param)
-        return self._limit(list(v), param)
+            raise bad_request(
+                f"'{param}' token ids must be integers in 0..{TOKEN_ID_MAX}", param
+            ) from None
+        return self._limit(ids, param)
 
-    def _limit(self, ids: list[int], param: str) -> list[int]:
+    def _limit(self, ids: Sequence[int], param: str) -> Sequence[int]:
         if len(ids) > self.cfg.max_prompt_tokens:
             raise bad_request(
                 f"the prompt has {len(ids)} tokens, more than max_prompt_tokens "

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,7 @@ def gateway(raw: dict[str, Any]) -> Iterator[BackgroundGateway]:
         gw.stop()
 
 
-def _vllm_keys(tokens: list[int]) -> list[bytes]:
+def _vllm_keys(tokens: Sequence[int]) -> list[bytes]:
     """The keys the agent indexes for vLLM's BlockStored events of these tokens."""
     return keys(first_block_hashes(tokens, 16, "sha256", ""))
 

@@ -85,11 +85,12 @@ def test_unseeded_xxhash_is_refused_at_load() -> None:
 
 def test_prompt_extraction_and_refusals() -> None:
     mp = ModelPrompts(ModelConfig("m"))
-    assert mp.completion_tokens({"prompt": [5, 6, 7]}) == [5, 6, 7]
-    assert mp.completion_tokens({"prompt": [[1, 2], [3]]}) == [1, 2]  # batch: the first
+    assert list(mp.completion_tokens({"prompt": [5, 6, 7]})) == [5, 6, 7]
+    assert list(mp.completion_tokens({"prompt": [[1, 2], [3]]})) == [1, 2]  # batch: the first
     assert mp.chat_tokens({"messages": [{"role": "user", "content": "x"}]}) is None
     for body, text in (
-        ({"prompt": [True, 2]}, "token ids"),
+        ({"prompt": [1.5, 2]}, "token ids"),
+        ({"prompt": ["7"]}, "token ids"),
         ({"prompt": [2**32]}, "token ids"),
         ({"prompt": "text"}, "no tokenizer"),
         ({"prompt": None}, "required"),
