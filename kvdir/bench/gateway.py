@@ -296,6 +296,7 @@ def run(args: argparse.Namespace) -> int:
                 "# kvdir bench gateway",
                 report.header_markdown(head),
                 __doc__ or "",
+                *([f"**Note:** {args.note}"] if args.note else []),
                 f"{args.backends} echo backends; {args.rounds} rounds of {args.seconds:g} s "
                 f"per proxy at {args.rate:g} requests/s (plus {args.warmup_s:g} s warm-up each); "
                 f"the gateway took {int(decisions):,} decisions ({int(degraded)} degraded), "
@@ -341,5 +342,6 @@ def add_parser(kinds: Any) -> None:
     p.add_argument("--backends", type=int, default=2)
     p.add_argument("--policy", default="affinity+pool")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--note", default="", help="a line for the report (how the run was held)")
     p.add_argument("--out", default=str(report.REPO_ROOT / "bench" / "results"))
     p.set_defaults(func=run)
