@@ -61,12 +61,13 @@ def block_chain(tokens: Sequence[int], block_tokens: int, seed: int = ROOT_SEED)
     out: list[bytes] = []
     parent = struct.pack(">Q", seed)
     full = len(tokens) - len(tokens) % block_tokens
-    data = _u32le(tokens[:full])
+    data = memoryview(_u32le(tokens[:full]))  # slices without copies
     step = 4 * block_tokens
     digest = xxhash.xxh3_64_digest
+    append = out.append
     for start in range(0, len(data), step):
         parent = digest(parent + data[start : start + step])
-        out.append(parent)
+        append(parent)
     return out
 
 

@@ -232,13 +232,19 @@ def run(args: argparse.Namespace) -> int:
                 runner: Any = uvloop.run
             except ImportError:
                 runner = asyncio.run
-            samples: dict[str, list[float]] = {"passthrough": [], "gateway": []}
-            skip = int(args.rate * args.warmup_s)
-            for _ in range(args.rounds):
-                for stem, port in (("passthrough", pt_port), ("gateway", gw_port)):
-                    url = f"http://127.0.0.1:{port}/v1/completions"
-                    lat = runner(_load(url, bodies, args.rate, args.seconds + args.warmup_s))
-                    samples[stem].extend(lat[skip:])
+
+            def measure(rate: float) -> dict[str, list[float]]:
+                out: dict[str, list[float]] = {"passthrough": [], "gateway": []}
+                skip = int(rate * args.warmup_s)
+                for _ in range(args.rounds):
+                    for stem, port in (("passthrough", pt_port), ("gateway", gw_port)):
+                        url = f"http://127.0.0.1:{port}/v1/completions"
+                        lat = runner(_load(url, bodies, rate, args.seconds + args.warmup_s))
+                        out[stem].extend(lat[skip:])
+                return out
+
+            samples = measure(args.rate)
+            extra = {r: measure(r) for r in args.extra_rates}
             server_added_s = _metric(gw_port, "kvdir_gateway_added_seconds_sum") / max(
                 1.0, _metric(gw_port, "kvdir_gateway_added_seconds_count")
             )
@@ -290,6 +296,42 @@ def run(args: argparse.Namespace) -> int:
             "",
         )
     )
+    extra_rows = []
+    extra_data = []
+    for r, smp in extra.items():
+        e_pt, e_gw = _stats(smp["passthrough"]), _stats(smp["gateway"])
+        e_added = {k: e_gw[k] - e_pt[k] for k in ("p50_ms", "p99_ms")}
+        extra_data.append({"rate": r, "passthrough": e_pt, "gateway": e_gw, "added": e_added})
+        extra_rows.append(
+            (
+                f"{r:g}",
+                f"{e_pt['p50_ms']:.2f}",
+                f"{e_pt['p99_ms']:.2f}",
+                f"{e_gw['p50_ms']:.2f}",
+                f"{e_gw['p99_ms']:.2f}",
+                f"{e_added['p50_ms']:.2f}",
+                f"{e_added['p99_ms']:.2f}",
+            )
+        )
+    extra_md = (
+        [
+            "Other rates (informational; same processes, measured after the target rate):\n\n"
+            + report.table(
+                extra_rows,
+                [
+                    "requests/s",
+                    "pass-through p50 ms",
+                    "pass-through p99 ms",
+                    "gateway p50 ms",
+                    "gateway p99 ms",
+                    "added p50 ms",
+                    "added p99 ms",
+                ],
+            )
+        ]
+        if extra_rows
+        else []
+    )
     md = (
         "\n\n".join(
             [
@@ -307,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
                 report.table(
                     rows, ["", "requests", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "max ms"]
                 ),
+                *extra_md,
             ]
         )
         + "\n"
@@ -320,6 +363,7 @@ def run(args: argparse.Namespace) -> int:
         "server_added_mean_s": server_added_s,
         "decisions": decisions,
         "degraded": degraded,
+        "other_rates": extra_data,
     }
     md_path, js_path = report.write(Path(args.out), f"gateway-{started:%Y-%m-%d}", md, data)
     print(md)
@@ -336,6 +380,13 @@ def add_parser(kinds: Any) -> None:
     )
     p.add_argument("--rate", type=float, default=500.0, help="requests per second")
     p.add_argument("--seconds", type=float, default=10.0, help="measured seconds per phase")
+    p.add_argument(
+        "--extra-rates",
+        type=float,
+        nargs="*",
+        default=[100.0, 250.0],
+        help="also measure at these rates (informational)",
+    )
     p.add_argument("--warmup-s", type=float, default=1.0)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=8192)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _ADDED_BUCKETS_S = (
@@ -23,7 +25,18 @@ _ADDED_BUCKETS_S = (
 
 
 class GatewayMetrics:
+    def child(self, name: str, *labels: str) -> Any:
+        """`getattr(self, name).labels(*labels)`, memoized: labels() costs a lock and a
+        dict lookup per call, several times per request on the hot path."""
+        key = (name, *labels)
+        c = self._children.get(key)
+        if c is None:
+            c = getattr(self, name).labels(*labels)
+            self._children[key] = c
+        return c
+
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self._children: dict[tuple[str, ...], Any] = {}
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter(

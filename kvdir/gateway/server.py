@@ -112,9 +112,9 @@ class Gateway:
         self._tasks: list[asyncio.Task[None]] = []
         self.port = 0
         for b in self.pool.backends:
-            self.metrics.backend_healthy.labels(b.node_id).set(1)
-            self.metrics.backend_inflight.labels(b.node_id).set_function(
-                lambda b=b: float(b.inflight)  # type: ignore[misc]
+            self.metrics.child("backend_healthy", b.node_id).set(1)
+            self.metrics.child("backend_inflight", b.node_id).set_function(
+                lambda b=b: float(b.inflight)
             )
 
     # ------------------------------------------------------------ lifecycle
@@ -187,7 +187,7 @@ class Gateway:
             await self._session.close()
 
     def _health_changed(self, b: Backend) -> None:
-        self.metrics.backend_healthy.labels(b.node_id).set(1 if b.healthy else 0)
+        self.metrics.child("backend_healthy", b.node_id).set(1 if b.healthy else 0)
 
     # -------------------------------------------------------------- handlers
 
@@ -219,7 +219,7 @@ class Gateway:
         try:
             return await self._forward(request, b"", None, None, set(), "models", 0.0)
         except RequestError as e:
-            self.metrics.requests.labels("models", str(e.status)).inc()
+            self.metrics.child("requests", "models", str(e.status)).inc()
             return _error(e)
 
     async def _routed(self, request: web.Request) -> web.StreamResponse:
@@ -237,7 +237,7 @@ class Gateway:
             model, prompt, tokens = await self._prompt(body, endpoint)
             return await self._forward(request, body, model, (prompt, tokens), set(), endpoint, t0)
         except RequestError as e:
-            self.metrics.requests.labels(endpoint, str(e.status)).inc()
+            self.metrics.child("requests", endpoint, str(e.status)).inc()
             return _error(e)
 
     # ------------------------------------------------------------- routing
@@ -258,26 +258,25 @@ class Gateway:
         if not isinstance(model, str) or not model:
             raise bad_request("'model' is required (a string)", "model")
         m = self.models.get(model)
-        stage = self.metrics.stage
         if m is None:
-            self.metrics.unrouted.labels("model-not-configured").inc()
+            self.metrics.child("unrouted", "model-not-configured").inc()
             return model, None, 0
         if endpoint == "chat":
             tokens = m.prompts.chat_tokens(obj)
         else:
             tokens = m.prompts.completion_tokens(obj)
         t1 = self._clock()
-        stage.labels("tokenize").observe(t1 - t)
+        self.metrics.child("stage", "tokenize").observe(t1 - t)
         if tokens is None:
-            self.metrics.unrouted.labels("no-chat-template").inc()
+            self.metrics.child("unrouted", "no-chat-template").inc()
             return model, None, 0
         chain = m.chain(tokens)
         t2 = self._clock()
-        stage.labels("hash").observe(t2 - t1)
+        self.metrics.child("stage", "hash").observe(t2 - t1)
         if not chain:
             return model, Prompt(0), len(tokens)
         found = await self.lookups.prompt(m.ns, chain)
-        stage.labels("lookup").observe(self._clock() - t2)
+        self.metrics.child("stage", "lookup").observe(self._clock() - t2)
         if found is None:
             return model, None, len(tokens)
         return model, found, len(tokens)
@@ -306,14 +305,14 @@ class Gateway:
             policy = Policy.LEAST_LOADED
             prompt = Prompt(0)
         d = self._router(model, policy).decide([b.as_candidate() for b in cands], prompt)
-        self.metrics.decisions.labels(policy.value, d.rule.value).inc()
-        self.metrics.stage.labels("decide").observe(d.decide_s)
+        self.metrics.child("decisions", policy.value, d.rule.value).inc()
+        self.metrics.child("stage", "decide").observe(d.decide_s)
         if ntokens:
             m = self.models.get(model or "")
             bt = m.cfg.block_tokens if m is not None else 0
-            self.metrics.prompt_tokens.labels(policy.value).inc(ntokens)
-            self.metrics.hit_tokens.labels(policy.value, "local").inc(d.local_blocks * bt)
-            self.metrics.hit_tokens.labels(policy.value, "pulled").inc(d.pulled_blocks * bt)
+            self.metrics.child("prompt_tokens", policy.value).inc(ntokens)
+            self.metrics.child("hit_tokens", policy.value, "local").inc(d.local_blocks * bt)
+            self.metrics.child("hit_tokens", policy.value, "pulled").inc(d.pulled_blocks * bt)
         return self.pool.by_id[d.node_id], d
 
     # ------------------------------------------------------------ forwarding
@@ -352,7 +351,7 @@ class Gateway:
                     )
                 except _RETRYABLE as e:
                     last = f"{backend.node_id}: {type(e).__name__}: {e}"
-                    self.metrics.backend_errors.labels(backend.node_id, "connect").inc()
+                    self.metrics.child("backend_errors", backend.node_id, "connect").inc()
                     self.pool.mark(backend, False, last)
                     tried.add(backend.node_id)
                     if attempt < self.cfg.retries:
@@ -385,8 +384,8 @@ class Gateway:
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as e:
                 # The backend broke mid-response: cut the client's connection so the
                 # truncation shows (a clean end would pass a partial answer as whole).
-                self.metrics.backend_errors.labels(backend.node_id, "stream").inc()
-                self.metrics.requests.labels(endpoint, "0").inc()
+                self.metrics.child("backend_errors", backend.node_id, "stream").inc()
+                self.metrics.child("requests", endpoint, "0").inc()
                 log.warning("backend %s broke mid-response: %s", backend.node_id, e)
                 if request.transport is not None:
                     request.transport.abort()
@@ -395,10 +394,10 @@ class Gateway:
                 await resp.write(chunk)
             except (ConnectionError, aiohttp.ClientConnectionError):
                 # the client went away; the upstream response closes with us
-                self.metrics.requests.labels(endpoint, "0").inc()
+                self.metrics.child("requests", endpoint, "0").inc()
                 return resp
         await resp.write_eof()
-        self.metrics.requests.labels(endpoint, str(upstream.status)).inc()
+        self.metrics.child("requests", endpoint, str(upstream.status)).inc()
         return resp
 
 

@@ -48,6 +48,8 @@ def test_bench_gateway_tiny(tmp_path: Path) -> None:
             "1",
             "--prompt-tokens",
             "1024",
+            "--extra-rates",
+            "20",
             "--out",
             str(tmp_path),
         ],
@@ -57,7 +59,9 @@ def test_bench_gateway_tiny(tmp_path: Path) -> None:
     data = json.loads(js.read_text())
     for side in ("passthrough", "gateway"):
         assert data[side]["n"] == 40 and math.isfinite(data[side]["p99_ms"])
-    assert math.isfinite(data["added"]["p99_ms"]) and data["decisions"] >= 60
+    assert math.isfinite(data["added"]["p99_ms"]) and data["decisions"] >= 80
+    (other,) = data["other_rates"]
+    assert other["rate"] == 20 and other["gateway"]["n"] == 20
     assert (tmp_path / js.name.replace(".json", ".md")).read_text().startswith("# kvdir bench")
 
 
