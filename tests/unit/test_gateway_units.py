@@ -120,3 +120,14 @@ def test_pull_hint_round_trip_and_refusals() -> None:
     ):
         with pytest.raises(HintError):
             parse(bad)
+
+
+def test_deploy_example_config_loads() -> None:
+    """deploy/config/gateway.toml is a valid configuration (its paths are examples)."""
+    from pathlib import Path
+
+    from kvdir.gateway.config import load
+
+    path = Path(__file__).resolve().parents[2] / "deploy" / "config" / "gateway.toml"
+    cfg = load(str(path))
+    assert len(cfg.backends) == 2 and cfg.models[0].hash == "vllm"
