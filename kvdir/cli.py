@@ -6,6 +6,7 @@
     kvdir directory restore|recover   a data dir from a backup, or from a lone survivor
     kvdir ctl wait-ready    block until replicas (or an agent) are ready; a systemd gate
     kvdir ctl check-hashes   the hashes a vLLM engine will publish, and a live check
+    kvdir gateway           the OpenAI-compatible routing proxy (a daemon; docs/gateway.md)
     kvdir demo              a short cluster replay: real directory and agents, simulated GPUs
     kvdir bench directory   the directory benchmark
     kvdir bench replay      the seed's cluster experiment on a trace (docs/replay.md)
@@ -173,6 +174,29 @@ def cmd_agent_serve(args: argparse.Namespace) -> int:
         raise CliError(str(e)) from e
     _until_signal()
     daemon.stop()
+    return 0
+
+
+# --------------------------------------------------------------- gateway
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from directory import logs
+    from kvdir.gateway import config as gateway_config
+    from kvdir.gateway.server import serve
+
+    overrides: dict[str, Any] = {
+        "listen": args.listen,
+        "directory": args.directory,
+        "policy": args.policy,
+        "log_format": args.log_format,
+    }
+    cfg = gateway_config.load(args.config, overrides)
+    logs.setup(cfg.log_format, args.log_level, {"component": "gateway"})
+    try:
+        serve(cfg)
+    except OSError as e:  # the listen address is taken, a certificate is unreadable
+        raise CliError(f"gateway: {e}") from e
     return 0
 
 
@@ -627,6 +651,17 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     ch.add_argument("--bind", action="store_true", help="bind --endpoint (engine connects)")
     ch.add_argument("--timeout", type=float, default=30.0)
     ch.set_defaults(func=cmd_check_hashes)
+
+    gw = sub.add_parser("gateway", help="the OpenAI-compatible routing proxy (docs/gateway.md)")
+    gw.add_argument("--config", required=True, help="TOML config file (flags override it)")
+    gw.add_argument("--listen", help="HOST:PORT to serve HTTP(S) on")
+    gw.add_argument("--directory", help="comma-separated directory gRPC addresses")
+    gw.add_argument(
+        "--policy", help="random | round-robin | least-loaded | affinity | affinity+pool"
+    )
+    gw.add_argument("--log-format", choices=["json", "text"])
+    gw.add_argument("--log-level", default="INFO")
+    gw.set_defaults(func=cmd_gateway)
 
     from kvdir import demo, fuzz
 

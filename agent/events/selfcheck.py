@@ -20,89 +20,30 @@ keys (LoRA, multimodal, cache_salt): then its token_ids determine its hashes.
 
 from __future__ import annotations
 
-import hashlib
-import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import cbor2
-import xxhash
 
 from agent.events.decode import BlockStored, DecodeError, Hash
 from agent.events.hashes import keys
+from directory.hashing import (
+    VLLM_ALGOS,
+    VLLM_DEFAULT_SEED,
+    HashSchemeError,
+    vllm_block_digests,
+    vllm_hash_fn,
+    vllm_keys,
+    vllm_none_hash,
+)
 
-DEFAULT_SEED = "vllm-none-hash"
-ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
-
-
-class SelfCheckError(ValueError):
-    pass
-
-
-def _sha256(obj: Any) -> bytes:
-    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
-
-
-def _sha256_cbor(obj: Any) -> bytes:
-    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
-
-
-def _xxhash(obj: Any) -> bytes:
-    return xxhash.xxh3_128_digest(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def _xxhash_cbor(obj: Any) -> bytes:
-    return xxhash.xxh3_128_digest(cbor2.dumps(obj, canonical=True))
-
-
-_FNS: dict[str, Callable[[Any], bytes]] = {
-    "sha256": _sha256,
-    "sha256_cbor": _sha256_cbor,
-    "xxhash": _xxhash,
-    "xxhash_cbor": _xxhash_cbor,
-}
-
-
-def hash_fn(algo: str) -> Callable[[Any], bytes]:
-    try:
-        return _FNS[algo]
-    except KeyError:
-        raise SelfCheckError(f"unknown hash algorithm {algo!r} (one of {ALGOS})") from None
-
-
-def none_hash(algo: str, seed: str = "") -> bytes:
-    """vLLM's NONE_HASH: the parent of every prefix's first block."""
-    if not seed and algo.startswith("xxhash"):
-        raise SelfCheckError(
-            f"{algo} without PYTHONHASHSEED uses a random per-process seed: its hashes "
-            "cannot be recomputed; set PYTHONHASHSEED on the engine and give it as the seed"
-        )
-    return hash_fn(algo)(seed or DEFAULT_SEED)
-
-
-def block_digests(
-    tokens: Sequence[int],
-    block_size: int,
-    algo: str = "sha256",
-    seed: str = "",
-    parent: bytes | None = None,
-) -> list[bytes]:
-    """The digests of each full block of `tokens` (no extra keys)."""
-    if block_size <= 0:
-        raise SelfCheckError("block_size must be > 0")
-    fn = hash_fn(algo)
-    prev = parent if parent is not None else none_hash(algo, seed)
-    out = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        prev = fn((prev, tuple(tokens[start : start + block_size]), None))
-        out.append(prev)
-    return out
-
-
-def published_keys(digests: Sequence[bytes], int_hashes: bool) -> list[bytes]:
-    """Directory keys of the hashes vLLM publishes for these digests."""
-    return [d[-8:] for d in digests] if int_hashes else list(digests)
+# The pure hashing lives in directory/hashing.py (the gateway computes the same
+# keys from prompts); these names keep the agent's and the CLI's callers unchanged.
+DEFAULT_SEED = VLLM_DEFAULT_SEED
+ALGOS = VLLM_ALGOS
+SelfCheckError = HashSchemeError
+hash_fn = vllm_hash_fn
+none_hash = vllm_none_hash
+block_digests = vllm_block_digests
+published_keys = vllm_keys
 
 
 @dataclass(frozen=True, slots=True)

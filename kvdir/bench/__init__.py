@@ -29,6 +29,12 @@ def add_parsers(sub: Any) -> None:
     from kvdir.bench import gpu
 
     gpu.add_parser(kinds)
+    from kvdir.bench import routing
+
+    routing.add_parser(kinds)
+    from kvdir.bench import gateway
+
+    gateway.add_parser(kinds)
 
 
 __all__ = ["add_parsers", "argparse"]
