@@ -450,10 +450,10 @@ class ClientSecurity:
         token = read_secret(auth.token_file, "token file") if auth.token_file else ""
         return cls(tls.ca, tls.cert, tls.key, token)
 
-    def channel(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+    def _secure(
+        self, options: Sequence[tuple[str, Any]]
+    ) -> tuple[grpc.ChannelCredentials, list[tuple[str, Any]]]:
         opts = list(options)
-        if not self.enabled:
-            return grpc.insecure_channel(target, options=opts)
         creds = grpc.ssl_channel_credentials(
             root_certificates=_read(self.ca, "CA certificate"),
             private_key=_read(self.key, "TLS key") if self.key else None,
@@ -465,7 +465,20 @@ class ClientSecurity:
             )
         if self.server_name:
             opts.append(("grpc.ssl_target_name_override", self.server_name))
+        return creds, opts
+
+    def channel(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.Channel:
+        if not self.enabled:
+            return grpc.insecure_channel(target, options=list(options))
+        creds, opts = self._secure(options)
         return grpc.secure_channel(target, creds, options=opts)
+
+    def aio_channel(self, target: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+        """The same, for asyncio clients (the gateway)."""
+        if not self.enabled:
+            return grpc.aio.insecure_channel(target, options=list(options))
+        creds, opts = self._secure(options)
+        return grpc.aio.secure_channel(target, creds, options=opts)
 
 
 PLAIN = ClientSecurity()

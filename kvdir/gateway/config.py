@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 
 from directory.config import ConfigError, read_toml
 from directory.hashing import VLLM_ALGOS
+from directory.security import ClientSecurity, SecurityConfigError, read_secret
 from kvdir.routing import SHAPES, Policy
 
 HASH_SCHEMES = ("vllm", "sglang", "kvdir")
@@ -89,6 +90,15 @@ class GatewayConfig:
     tls_key: str = ""
     backend_ca_file: str = ""
     """CA bundle for https:// backends (empty: the system's)."""
+    directory_ca: str = ""
+    """The directory's CA: talk TLS to it (docs/security.md); empty: plain gRPC."""
+    directory_cert: str = ""
+    """Client certificate toward the directory (mutual TLS); lookups need any identity."""
+    directory_key: str = ""
+    directory_token_file: str = ""
+    """Bearer token file (`<identity>.<secret>`) toward the directory, instead of a cert."""
+    directory_server_name: str = ""
+    """Name to expect in the directory's certificates (IP-only addresses)."""
     lookup_timeout_ms: int = 100
     """Deadline of one directory lookup; past it the request is routed least-loaded."""
     directory_retry_s: float = 1.0
@@ -194,6 +204,20 @@ def from_dict(raw: dict[str, Any]) -> GatewayConfig:
     return cfg
 
 
+def directory_security(cfg: GatewayConfig) -> ClientSecurity:
+    """How the gateway reaches the directory (the directory_* keys)."""
+    token = ""
+    if cfg.directory_token_file:
+        token = read_secret(cfg.directory_token_file, "directory_token_file")
+    return ClientSecurity(
+        cfg.directory_ca,
+        cfg.directory_cert,
+        cfg.directory_key,
+        token,
+        cfg.directory_server_name,
+    )
+
+
 def check(cfg: GatewayConfig) -> None:
     """Refuse what cannot work, with a reason naming the key."""
     if not cfg.backends:
@@ -219,6 +243,10 @@ def check(cfg: GatewayConfig) -> None:
         host_port(a, "directory address")
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise ConfigError("tls_cert and tls_key go together")
+    try:
+        directory_security(cfg)
+    except SecurityConfigError as e:
+        raise ConfigError(f"directory_*: {e}") from None
     positive = (
         "lookup_timeout_ms",
         "directory_retry_s",

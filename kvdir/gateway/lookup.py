@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from directory.client import lookup_request
+from directory.security import PLAIN, ClientSecurity
 from kvdir.routing.directory_source import prompt_of
 from kvdir.routing.policy import Prompt
 from proto.kvdir.v1 import directory_pb2 as pb
@@ -54,8 +55,10 @@ class DirectoryLookups:
         batch_max: int,
         on_state: Callable[[bool], None] = lambda up: None,
         clock: Callable[[], float] = time.monotonic,
+        security: ClientSecurity = PLAIN,
     ) -> None:
         self._addresses = list(addresses)
+        self._security = security
         self._channels: list[grpc.aio.Channel] = []
         self._stubs: list[Any] = []  # aio stubs (the generated types are the sync ones)
         self._preferred = 0
@@ -76,7 +79,7 @@ class DirectoryLookups:
                 ("grpc.max_send_message_length", _MESSAGE_BYTES_MAX),
                 ("grpc.max_receive_message_length", _MESSAGE_BYTES_MAX),
             ]
-            self._channels = [grpc.aio.insecure_channel(a, options=opts) for a in self._addresses]
+            self._channels = [self._security.aio_channel(a, opts) for a in self._addresses]
             self._stubs = [pb_grpc.PrefixDirectoryStub(c) for c in self._channels]
             self._queue = asyncio.Queue(QUEUE_MAX)
             self._task = asyncio.get_running_loop().create_task(self._run())

@@ -38,7 +38,7 @@ from agent.pull_hint import HEADER as PULL_HEADER
 from agent.pull_hint import ROUTE_HEADER, PullHint
 from kvdir.gateway.backends import Backend, BackendPool
 from kvdir.gateway.chain import chain_fn, model_namespace
-from kvdir.gateway.config import GatewayConfig, ModelConfig, host_port
+from kvdir.gateway.config import GatewayConfig, ModelConfig, directory_security, host_port
 from kvdir.gateway.errors import RequestError, bad_request
 from kvdir.gateway.lookup import DirectoryLookups
 from kvdir.gateway.metrics import GatewayMetrics
@@ -105,6 +105,7 @@ class Gateway:
             cfg.directory_retry_s,
             cfg.lookup_batch_max,
             on_state=lambda up: self.metrics.directory_up.set(1 if up else 0),
+            security=directory_security(cfg),
         )
         self._rr = 0
         self._session: aiohttp.ClientSession | None = None
