@@ -350,6 +350,9 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
             t = r.table
             resp.entries, resp.blocks = t.entries, t.block_count
             resp.nodes, resp.namespaces = len(t.nodes), len(t.ns_names)
+            if request.with_digest:
+                resp.applied_index = r.raftLastApplied  # the index the digest is taken at
+                resp.state_digest = t.digest()
         return resp
 
 
