@@ -611,12 +611,8 @@ class Table:
         """
         h = hashlib.sha256()
         for n in sorted(self.nodes.values(), key=lambda n: n.node_id):
-            h.update(
-                repr(
-                    (n.node_id, n.host, n.endpoint, n.transports, n.incarnation)
-                    + (n.lease_ms, n.lease_expiry_ms, n.entries)
-                ).encode()
-            )
+            ident = (n.node_id, n.host, n.endpoint, n.transports, n.incarnation, n.lease_ms)
+            h.update(repr((*ident, n.lease_expiry_ms, n.entries)).encode())
         c = self.col
         rows = []
         for ns, blocks in enumerate(self.blocks):
