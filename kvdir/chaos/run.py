@@ -294,7 +294,7 @@ class Orchestrator:
                 t1,
                 out,
                 value=gen,
-                result=None if resp is None else int(resp.applied == 1),
+                result=None if resp is None or self.caller.retried_maybe else int(resp.applied == 1),
                 last_attempt=last,
             )
         )

@@ -80,6 +80,7 @@ class Caller:
         self.channels = {a: grpc.insecure_channel(a) for a in self.addresses}
         self.stubs = {a: pb_grpc.PrefixDirectoryStub(c) for a, c in self.channels.items()}
         self.preferred = rng.randrange(len(self.addresses))
+        self.retried_maybe = False
 
     def close(self) -> None:
         for c in self.channels.values():
@@ -88,9 +89,15 @@ class Caller:
     def call(
         self, method: str, req: Any, deadline_s: float, pinned: str | None = None
     ) -> tuple[Outcome, Any, float, str]:
-        """(outcome, response or None, start of the last attempt, last error)."""
+        """(outcome, response or None, start of the last attempt, last error).
+
+        `self.retried_maybe` tells afterwards whether an attempt before the last
+        may have taken effect: then an acknowledged response describes a
+        re-application (a retried remove reports 0 removed), not the effect.
+        """
         deadline = time.monotonic() + deadline_s
         maybe = False
+        self.retried_maybe = False
         last_start = time.monotonic()
         err = ""
         while True:
@@ -103,6 +110,7 @@ class Caller:
                 resp = getattr(self.stubs[target], method)(
                     req, timeout=min(ATTEMPT_S, deadline - now)
                 )
+                self.retried_maybe = maybe
                 return "ok", resp, last_start, ""
             except grpc.RpcError as e:
                 code, md = e.code(), _metadata(e)
@@ -208,6 +216,8 @@ def write_op(
         out, resp, last, err = c.call("Remove", remove_req(owner, k, inc, gen), WRITE_DEADLINE_S)
         result = None if resp is None else int(resp.removed)
     t1 = time.monotonic()
+    if c.retried_maybe:
+        result = None  # the response is the retry's, not the effect's (see Caller.call)
     rec(
         Op(
             process,
