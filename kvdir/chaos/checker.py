@@ -170,6 +170,12 @@ def lost_writes(ops: Iterable[Op], final: dict[str, State]) -> tuple[list[Lost],
             unread.append(key)
             continue
         v = final[key]
+        # later_remove[p]: the highest generation a remove after position p guards.
+        later_remove = [-1] * (len(ws) + 1)
+        for p in range(len(ws) - 1, -1, -1):
+            w = ws[p]
+            guard = w.value if w.kind == "remove" and w.value is not None else -1
+            later_remove[p] = max(later_remove[p + 1], guard)
         for p, w in enumerate(ws):
             if w.kind != "publish" or w.outcome != "ok":
                 continue
@@ -177,10 +183,7 @@ def lost_writes(ops: Iterable[Op], final: dict[str, State]) -> tuple[list[Lost],
             assert g is not None
             if v is not None and v >= g:
                 continue
-            later_remove = any(
-                x.kind == "remove" and x.value is not None and x.value >= g for x in ws[p + 1 :]
-            )
-            if v is None and later_remove:
+            if v is None and later_remove[p + 1] >= g:
                 continue
             lost.append(Lost(key, g, v))
     return lost, unread
@@ -209,6 +212,8 @@ def local_reads(
     position, so that figure is a lower bound there.
     """
     writes = writes_of(ops)
+    index = {k: _KeyIndex(ws) for k, ws in writes.items()}
+    empty = _KeyIndex([])
     out: dict[str, LocalStats] = defaultdict(LocalStats)
     last_index: dict[tuple[str, int], int] = {}
     last_gen: dict[tuple[str, int, str], int] = {}
@@ -227,7 +232,7 @@ def local_reads(
             if len(st.examples) < examples_max:
                 st.examples.append(f"{r.replica}: applied index {prev} -> {r.applied_index}")
         last_index[(r.replica, session)] = max(prev, r.applied_index)
-        ws = writes.get(r.key, [])
+        ki = index.get(r.key, empty)
         if r.value is not None:
             gk = (r.replica, session, r.key)
             if r.value < last_gen.get(gk, -1):
@@ -237,23 +242,41 @@ def local_reads(
                         f"{r.replica} {r.key}: generation {last_gen[gk]} -> {r.value}"
                     )
             last_gen[gk] = max(last_gen.get(gk, -1), r.value)
-            pos = [p for p, w in enumerate(ws) if w.kind == "publish" and w.value == r.value]
-            if not pos:
+            j = ki.publish_at.get(r.value)
+            if j is None:
                 st.phantom += 1
                 continue
-            j = pos[0]
         else:
-            cands = [-1] + [
-                p for p, w in enumerate(ws) if w.kind == "remove" and w.invoke < r.complete
-            ]
-            j = max(cands)
+            # The most favourable None: the latest remove invoked before the read ended.
+            n = bisect.bisect_left(ki.remove_invokes, r.complete)
+            j = ki.remove_pos[n - 1] if n else -1
+        # The writer is sequential, so acknowledgements come in position order: only
+        # the first acknowledged write after j can have completed before the read.
+        nxt = ki.next_ok[j + 1]
         stale = 0.0
-        for w in ws[j + 1 :]:
-            if w.outcome == "ok" and w.complete < r.invoke:
-                stale = r.invoke - w.complete
-                break
+        if nxt is not None and ki.ws[nxt].complete < r.invoke:
+            stale = r.invoke - ki.ws[nxt].complete
         st.staleness.append(stale)
     return dict(out)
+
+
+class _KeyIndex:
+    """One key's writes (invoke order) indexed for `local_reads`."""
+
+    def __init__(self, ws: Sequence[Op]) -> None:
+        self.ws = ws
+        self.publish_at: dict[int, int] = {}
+        self.remove_invokes: list[float] = []
+        self.remove_pos: list[int] = []
+        for p, w in enumerate(ws):
+            if w.kind == "publish" and w.value is not None:
+                self.publish_at.setdefault(w.value, p)
+            elif w.kind == "remove":
+                self.remove_invokes.append(w.invoke)
+                self.remove_pos.append(p)
+        self.next_ok: list[int | None] = [None] * (len(ws) + 1)
+        for p in range(len(ws) - 1, -1, -1):
+            self.next_ok[p] = p if ws[p].outcome == "ok" else self.next_ok[p + 1]
 
 
 @dataclass(frozen=True, slots=True)

@@ -294,7 +294,9 @@ class Orchestrator:
                 t1,
                 out,
                 value=gen,
-                result=None if resp is None or self.caller.retried_maybe else int(resp.applied == 1),
+                result=None
+                if resp is None or self.caller.retried_maybe
+                else int(resp.applied == 1),
                 last_attempt=last,
             )
         )
@@ -454,9 +456,9 @@ class Orchestrator:
 
     def fault_restart_all(self) -> Fault:
         self.wait_leader(self.cluster.replicas)
-        t = time.monotonic()
         for r in self.cluster.replicas:
             self.cluster.kill(r, signal.SIGKILL)
+        t = time.monotonic()  # once no replica is left
         for r in self.cluster.replicas:
             self.cluster.launch(r)
         self.wait_leader(self.cluster.replicas, 60)
