@@ -130,8 +130,10 @@ class Network:
         for m in side:
             self.cut(m, others)
 
-    def heal(self) -> None:
-        for m in sorted(self.partitioned):
+    def heal(self, everywhere: bool = False) -> None:
+        """Lift the partitions this object made (`everywhere`: in every member's namespace)."""
+        members = self.addresses if everywhere else self.partitioned
+        for m in sorted(members):
             for hook in ("input", "output"):
                 self._nft(m, f"flush chain inet {_TABLE} {hook}")
         self.partitioned.clear()

@@ -654,7 +654,7 @@ class Orchestrator:
                     self.record(
                         Event("fault-error", time.monotonic(), {"kind": kind, "error": str(e)})
                     )
-                    self.plan_net().heal()
+                    self.plan_net().heal(everywhere=True)
                     for r in self.cluster.replicas:
                         self.cluster.resume(r)
                         if not r.alive:

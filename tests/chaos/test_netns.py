@@ -75,6 +75,14 @@ def test_partition_drops_only_the_cut_links_and_heal_restores_them() -> None:
 
         net.heal()
         assert reach(net, "r1", "r2") and reach(net, "r3", "r1")
+
+        # A process that did not make the partition (the run's recovery path) heals it too.
+        net.partition(["r2"], ["r1", "r3"])
+        assert not reach(net, "r1", "r2")
+        other = netns.Network(list(net.members), prefix=net.prefix)
+        other.addresses = dict(net.addresses)
+        other.heal(everywhere=True)
+        assert reach(net, "r1", "r2") and reach(net, "r2", "r3")
     finally:
         for p in servers:
             p.kill()
