@@ -225,7 +225,9 @@ def local_reads(
             continue
         st = out[r.replica]
         st.reads += 1
-        session = bisect.bisect_left(restarts.get(r.replica, []), r.invoke)
+        # The process that answered is the one alive when the last attempt began
+        # (a read retried across a restart is answered by the new one).
+        session = bisect.bisect_left(restarts.get(r.replica, []), r.last_attempt)
         prev = last_index.get((r.replica, session), -1)
         if r.applied_index < prev:
             st.backwards += 1

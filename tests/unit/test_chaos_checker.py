@@ -199,6 +199,22 @@ def test_local_reads_going_backwards_are_flagged_within_one_process_life() -> No
     # The replica restarted in between: its new life starts from its journal.
     st = checker.local_reads([pub(1, 0, 1), local(1, 4, 10), local(1, 6, 9)], {"r1": [5.0]})
     assert st["r1"].backwards == 0
+    # A read invoked before the restart, retried, and answered by the new process.
+    retried = Op(
+        "r",
+        "read",
+        "k",
+        4.5,
+        6.5,
+        "ok",
+        value=1,
+        mode="local",
+        replica="r1",
+        applied_index=9,
+        last_attempt=6.0,
+    )
+    st = checker.local_reads([pub(1, 0, 1), local(1, 4, 10), retried], {"r1": [5.0]})
+    assert st["r1"].backwards == 0
 
 
 def test_local_read_staleness_is_measured_from_the_missed_acknowledgement() -> None:
