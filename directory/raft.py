@@ -174,6 +174,35 @@ def _label_kwargs(label: Any) -> dict[str, str]:
     return {"kvdir_id": str(label[0]), "kvdir_grpc": str(label[1])}
 
 
+def rejection_hint(
+    proposed: int, mismatch: bool, floor: int | None, commit_index: int, first_index: int
+) -> tuple[int, int | None]:
+    """The next index a follower names when it rejects an append, and its new floor.
+
+    pysyncobj's follower answers a term mismatch at `prevLogIdx` with
+    "retry from prevLogIdx" (one entry back per round trip) and an append that
+    starts past its log's end with "retry from my last entry + 1". A follower
+    holding a stale tail (a deposed leader's uncommitted entries) receives both
+    kinds while the leader keeps sending optimistically from its own end, so
+    the second answer keeps undoing the first's progress: measured in
+    `kvdir chaos`, a deposed leader stayed stuck for minutes, through a
+    restart, never applying again.
+
+    Instead, a mismatch proves our tail conflicts, and every entry up to our
+    commit index is in every later leader's log (it is committed), so we name
+    commit index + 1 and keep it as a *floor*: until an append succeeds, no
+    rejection names anything above it. The leader then sends from a matching
+    entry and the conflicting tail is replaced in one round trip. The floor
+    never goes below the first entry we still hold (compaction), so the
+    leader's prevLogIdx is always one we can check.
+    """
+    if mismatch:
+        floor = max(min(proposed, commit_index + 1), first_index + 1)
+    if floor is not None:
+        proposed = min(proposed, floor)
+    return proposed, floor
+
+
 @dataclass(slots=True)
 class _Round:
     """One barrier serving every linearizable read that joined it."""
@@ -242,6 +271,7 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
         self._leader_loss_spread_s = tuning.election_max_s - tuning.election_min_s
         self._election_s = (tuning.election_min_s, tuning.election_max_s)
         self._next_keepalive = 0.0
+        self._reject_floor: int | None = None
         super().__init__(self_address, peer_addresses, conf, transportClass=FencedTransport)
         self._SyncObj__raftElectionDeadline = raft_clock() + tuning.startup_grace_s
         self._joining = join
@@ -315,6 +345,32 @@ class DirectoryReplica(SyncObj):  # type: ignore[misc]
         ):
             message = trim_append_entries(message, self._entry_at, self._last_log_index())
         super()._SyncObj__onMessageReceived(node, message)
+
+    def _SyncObj__sendNextNodeIdx(  # noqa: N802 (pysyncobj's name)
+        self,
+        node: Any,
+        reset: bool = False,
+        nextNodeIdx: int | None = None,  # noqa: N803
+        success: bool = False,
+    ) -> None:
+        """A follower's answer to an append; rejections go through `rejection_hint`.
+
+        Runs on the Raft thread. pysyncobj passes `nextNodeIdx` only for a term
+        mismatch (None: the append started past our log's end).
+        """
+        hint = nextNodeIdx
+        if success:
+            self._reject_floor = None
+        elif reset:
+            proposed = self._last_log_index() + 1 if hint is None else hint
+            hint, self._reject_floor = rejection_hint(
+                proposed,
+                hint is not None,
+                self._reject_floor,
+                int(self.raftCommitIndex),
+                int(self._SyncObj__raftLog[0][1]),
+            )
+        super()._SyncObj__sendNextNodeIdx(node, reset=reset, nextNodeIdx=hint, success=success)
 
     def _entry_at(self, idx: int) -> RaftEntry | None:
         found = self._SyncObj__getEntries(idx, 1)

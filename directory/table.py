@@ -17,6 +17,7 @@ Thread-safety: none here; the Raft adapter serialises `apply` against reads.
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -601,6 +602,34 @@ class Table:
     def packed_records(self, slots: Sequence[int]) -> prefix_lookup.PackedRecords:
         """Holder records of `slots` as packed little-endian bytes (the wire form)."""
         return prefix_lookup.packed_records(self, slots)
+
+    def digest(self) -> bytes:
+        """SHA-256 of the table's content in a canonical order (not its slot layout).
+
+        Two replicas that applied the same commands agree on it whether they
+        built their table by applying entries or by loading a snapshot.
+        """
+        h = hashlib.sha256()
+        for n in sorted(self.nodes.values(), key=lambda n: n.node_id):
+            ident = (n.node_id, n.host, n.endpoint, n.transports, n.incarnation, n.lease_ms)
+            h.update(repr((*ident, n.lease_expiry_ms, n.entries)).encode())
+        c = self.col
+        rows = []
+        for ns, blocks in enumerate(self.blocks):
+            name = self.ns_names[ns]
+            for key, head in blocks.items():
+                s = head
+                while s != NIL:
+                    node = self.node_by_idx[c.node[s]]
+                    nid = "" if node is None else node.node_id
+                    rows.append(
+                        (name, key, nid, c.tier[s], c.addr[s], c.length[s], c.rkey[s], c.gen[s])
+                    )
+                    s = c.bnext[s]
+        rows.sort()
+        for row in rows:
+            h.update(repr(row).encode())
+        return h.digest()
 
     @property
     def block_count(self) -> int:

@@ -508,6 +508,39 @@ def cmd_check_hashes(args: argparse.Namespace) -> int:
     return 0 if result.ok else 1
 
 
+# ----------------------------------------------------------------- chaos
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    from kvdir.chaos.run import FAULT_KINDS, ChaosConfig, run
+
+    kinds = tuple(k for k in args.kinds.split(",") if k) or FAULT_KINDS
+    cfg = ChaosConfig(
+        out=args.out,
+        replicas=args.replicas,
+        faults=args.faults,
+        seed=args.seed,
+        agents=args.agents,
+        keys=args.keys,
+        pace_ms=args.pace_ms,
+        kinds=kinds,
+        max_seconds=args.max_seconds,
+    )
+    try:
+        result = run(cfg, stream=sys.stdout)
+    except (ValueError, RuntimeError) as e:
+        raise CliError(str(e)) from e
+    f = result.report.figures
+    print(
+        f"faults {f['faults']}, operations {f['operations']}, acknowledged {f['acknowledged']}, "
+        f"lost {f['lost']}, linearizability violations {f['linearizability_violations']}; "
+        f"report {result.paths['markdown']}"
+    )
+    for v in result.report.violations:
+        print(f"violation: {v}", file=sys.stderr)
+    return 0 if not result.report.violations else 1
+
+
 # ---------------------------------------------------------------- parser
 
 
@@ -667,6 +700,19 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
 
     demo.add_parser(sub)
     fuzz.add_parser(sub)
+    cs = sub.add_parser(
+        "chaos", help="faults on a schedule against a namespaced directory; check the history"
+    )
+    cs.add_argument("--replicas", type=int, default=3, choices=[3, 5])
+    cs.add_argument("--faults", type=int, default=20)
+    cs.add_argument("--out", required=True, help="directory for histories, logs and the report")
+    cs.add_argument("--seed", type=int, default=1)
+    cs.add_argument("--agents", type=int, default=4, help="publishing agents (4 x --keys keys)")
+    cs.add_argument("--keys", type=int, default=16, help="blocks per agent")
+    cs.add_argument("--pace-ms", type=float, default=20.0, help="pause between one client's ops")
+    cs.add_argument("--kinds", default="", help="comma-separated fault kinds (default: all)")
+    cs.add_argument("--max-seconds", type=float, default=1800.0, help="stop injecting after this")
+    cs.set_defaults(func=cmd_chaos)
     if with_benchmarks:
         from kvdir.bench import add_parsers
 

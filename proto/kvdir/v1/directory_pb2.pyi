@@ -747,12 +747,17 @@ Global___ListNodesResponse: _TypeAlias = ListNodesResponse  # noqa: Y015
 class ClusterStatusRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    WITH_DIGEST_FIELD_NUMBER: _builtins.int
+    with_digest: _builtins.bool
+    """Also return state_digest (hashes the whole table: costly on a big one)."""
     def __init__(
         self,
+        *,
+        with_digest: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["with_digest", b"with_digest"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -810,6 +815,7 @@ class ClusterStatusResponse(_message.Message):
     LOG_ENTRIES_FIELD_NUMBER: _builtins.int
     LAST_COMPACTION_S_FIELD_NUMBER: _builtins.int
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
+    STATE_DIGEST_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     role: Global___Role.ValueType
     leader_id: _builtins.str
@@ -829,6 +835,10 @@ class ClusterStatusResponse(_message.Message):
     cluster_id: _builtins.str
     """Set once the cluster was restored from a backup or recovered from a
     survivor (docs/operations.md); Raft peers of another cluster id are refused.
+    """
+    state_digest: _builtins.bytes
+    """SHA-256 of the table's canonical form at applied_index (with_digest only):
+    replicas at the same applied index must report the same digest.
     """
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___Member]: ...
@@ -851,10 +861,11 @@ class ClusterStatusResponse(_message.Message):
         log_entries: _builtins.int = ...,
         last_compaction_s: _builtins.float = ...,
         cluster_id: _builtins.str = ...,
+        state_digest: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_index", b"applied_index", "blocks", b"blocks", "cluster_id", b"cluster_id", "commit_index", b"commit_index", "entries", b"entries", "has_quorum", b"has_quorum", "last_compaction_s", b"last_compaction_s", "leader_grpc_address", b"leader_grpc_address", "leader_id", b"leader_id", "log_entries", b"log_entries", "members", b"members", "namespaces", b"namespaces", "nodes", b"nodes", "replica_id", b"replica_id", "role", b"role", "term", b"term"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_index", b"applied_index", "blocks", b"blocks", "cluster_id", b"cluster_id", "commit_index", b"commit_index", "entries", b"entries", "has_quorum", b"has_quorum", "last_compaction_s", b"last_compaction_s", "leader_grpc_address", b"leader_grpc_address", "leader_id", b"leader_id", "log_entries", b"log_entries", "members", b"members", "namespaces", b"namespaces", "nodes", b"nodes", "replica_id", b"replica_id", "role", b"role", "state_digest", b"state_digest", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
