@@ -52,7 +52,3 @@ class RequestLimits:
     barrier_timeout_ms: int = 2_000
     inflight_writes_max: int = 1024
     """Writes waiting on Raft at once; beyond this a write gets RESOURCE_EXHAUSTED."""
-    local_read_lag_max: int = 1000
-    """A replica more entries than this behind its commit index (replaying its
-    journal after a restart) refuses local reads with UNAVAILABLE: `kvdir chaos`
-    measured restarted replicas answering from minutes-old state otherwise."""

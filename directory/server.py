@@ -181,16 +181,6 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
             linearizable=linearizable,
         )
 
-    def _check_caught_up(self, context: grpc.ServicerContext) -> None:
-        """Refuse a local read while this replica replays far behind its commit index."""
-        r = self.replica
-        lag = r.raftCommitIndex - r.raftLastApplied
-        if lag > self.limits.local_read_lag_max:
-            self._unavailable(
-                context,
-                f"catching up: {lag} committed entries not applied yet; ask another replica",
-            )
-
     def _barrier(self, context: grpc.ServicerContext) -> None:
         if self.replica.leader_address() is None:
             self._unavailable(context, "no leader: linearizable reads need a quorum")
@@ -300,8 +290,6 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         self.metrics.lookup_chain.observe(len(chain))
         if request.linearizable:
             self._barrier(context)
-        else:
-            self._check_caught_up(context)
         resp = pb.LookupResponse()
         with self.replica.lock:
             matches = self.replica.table.lookup(ns, chain, max_nodes, request.exclude_node)
@@ -322,8 +310,6 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         parsed = [validate.lookup_chain(lk, self.limits) for lk in request.lookups]
         if request.linearizable:
             self._barrier(context)
-        else:
-            self._check_caught_up(context)
         resp = pb.LookupBatchResponse()
         table = self.replica.table
         with self.replica.lock:
