@@ -14,7 +14,11 @@ Failure handling (the thread never dies of input):
 - a sequence number that goes backwards is an engine restart: the rank's
   entries are withdrawn, then the new stream is applied from its start; so is
   a gap whose replay shows another payload under the last number we applied
-  (a restart whose first messages we missed).
+  (a restart whose first messages we missed);
+- after the SUB socket (re)connects, the first live batch is checked the same
+  way even when its number is the one we expect: a restarted engine whose
+  first messages ZMQ dropped (the slow joiner) can land exactly on our next
+  number, and would otherwise keep the old engine's entries forever.
 
 Sockets: the engine binds when its endpoint has ``*``/``::`` or is ipc, so we
 connect; with ``bind = true`` (the engine was told to connect) we bind. A DP
@@ -108,6 +112,9 @@ class RankConsumer:
         self._last_digest = b""
         self._ctx = context or zmq.Context.instance()
         self._sub: zmq.Socket[bytes] | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._reconnected = False
+        """The SUB socket (re)connected since the last live batch: verify the next one."""
         self._dealer: zmq.Socket[bytes] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -121,6 +128,8 @@ class RankConsumer:
         self._sub.setsockopt(zmq.RCVHWM, RCVHWM)
         self._sub.setsockopt(zmq.LINGER, LINGER_MS)
         self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        # Before connect/bind, so the first connection is seen too.
+        self._monitor = self._sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED)
         if self.bind:
             self._sub.bind(self.endpoint)
             self.bound_endpoint = self._sub.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -146,15 +155,33 @@ class RankConsumer:
                 if not sub.poll(POLL_MS):
                     continue
                 frames = sub.recv_multipart()
+                self._drain_monitor()
                 try:
                     self.on_message(frames)
                 except Exception:  # never let one message end the stream
                     self.stats.apply_failures += 1
                     log.exception("could not apply an event batch", extra=self._where())
         finally:
+            if self._monitor is not None:
+                sub.disable_monitor()
+                self._monitor.close(LINGER_MS)
             sub.close(LINGER_MS)
             if self._dealer is not None:
                 self._dealer.close(LINGER_MS)
+
+    def _drain_monitor(self) -> None:
+        """Note (re)connections. ZMQ queues the connect event before any message
+        of that connection arrives, so draining here, after a receive, sees it."""
+        mon = self._monitor
+        if mon is None:
+            return
+        for _ in range(64):  # bounded: a flapping peer cannot stall the stream
+            if not mon.poll(0):
+                return
+            frames = mon.recv_multipart()
+            event = int.from_bytes(frames[0][:2], "little") if frames and frames[0] else 0
+            if event in (zmq.EVENT_CONNECTED, zmq.EVENT_ACCEPTED):
+                self._reconnected = True
 
     def _where(self) -> dict[str, object]:
         return {"engine": self.holders.engine, "rank": self.rank}
@@ -171,6 +198,10 @@ class RankConsumer:
             self.stats.decode_errors += 1
             return
         step = self.seq.observe(seq)
+        if self._reconnected:
+            self._reconnected = False
+            if step is Step.IN_ORDER and self._peer_changed(seq):
+                step = Step.RESTART
         if step is Step.RESTART:
             self._restarted(seq)
         if step is not Step.IN_ORDER:
@@ -180,6 +211,24 @@ class RankConsumer:
                     self.stats.gaps += 1
                 self._replay(start, seq)
         self._apply(seq, frames[2])
+
+    def _peer_changed(self, live_seq: int) -> bool:
+        """After a reconnect: is the engine behind `live_seq` another one than the
+        engine whose batch we applied last? Asked of the replay socket, which
+        returns the payload under that last number (no replay endpoint or no
+        answer: assume the same engine, as before this check existed)."""
+        expected = self.seq.expected
+        if not self.replay_endpoint or not self._last_digest or not expected:
+            return False
+        anchor = expected - 1
+        self.stats.replays += 1
+        got = self._request_replay(anchor, live_seq, anchor)
+        if got is None:
+            log.warning(
+                "could not verify the engine after a reconnect (replay timed out)",
+                extra={**self._where(), "seq": live_seq},
+            )
+        return got is _RESTARTED
 
     def _restarted(self, seq: int) -> None:
         self.stats.restarts += 1
