@@ -52,3 +52,9 @@ class RequestLimits:
     barrier_timeout_ms: int = 2_000
     inflight_writes_max: int = 1024
     """Writes waiting on Raft at once; beyond this a write gets RESOURCE_EXHAUSTED."""
+    local_read_lag_max: int = 1000
+    """After a start, a replica serves local reads only once it has heard a leader
+    and applied to within this many entries of its commit index (replaying the
+    journal): `kvdir chaos` measured restarted replicas answering from state
+    minutes old otherwise. Checked until first met, then never again: later lag
+    is what each read's ReadInfo reports."""

@@ -112,6 +112,7 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         self.role = role
         self._grpc_of_raft = cfg.grpc_of_raft()
         self._inflight = threading.BoundedSemaphore(cfg.limits.inflight_writes_max)
+        self._caught_up = False
 
     # --------------------------------------------------------------- helpers
 
@@ -180,6 +181,31 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
             commit_index=r.raftCommitIndex,
             linearizable=linearizable,
         )
+
+    def _check_caught_up(self, context: grpc.ServicerContext) -> None:
+        """Refuse local reads from a replica still replaying after its start.
+
+        A restarted replica's table is what its journal replay has reached;
+        until it has heard a leader and applied to within `local_read_lag_max`
+        of its commit index, a local read could see minutes-old state. The gate
+        lifts once and stays lifted: in steady state a follower's lag is the
+        ReadInfo the caller gets, not a reason to refuse.
+        """
+        if self._caught_up:
+            return
+        r = self.replica
+        lag = r.raftCommitIndex - r.raftLastApplied
+        if r.leader_address() is None:
+            self._unavailable(
+                context, "catching up after start: no leader heard yet; ask another replica"
+            )
+        if lag > self.limits.local_read_lag_max:
+            self._unavailable(
+                context,
+                f"catching up after start: {lag} committed entries not applied yet; "
+                "ask another replica",
+            )
+        self._caught_up = True
 
     def _barrier(self, context: grpc.ServicerContext) -> None:
         if self.replica.leader_address() is None:
@@ -290,6 +316,8 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         self.metrics.lookup_chain.observe(len(chain))
         if request.linearizable:
             self._barrier(context)
+        else:
+            self._check_caught_up(context)
         resp = pb.LookupResponse()
         with self.replica.lock:
             matches = self.replica.table.lookup(ns, chain, max_nodes, request.exclude_node)
@@ -310,6 +338,8 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         parsed = [validate.lookup_chain(lk, self.limits) for lk in request.lookups]
         if request.linearizable:
             self._barrier(context)
+        else:
+            self._check_caught_up(context)
         resp = pb.LookupBatchResponse()
         table = self.replica.table
         with self.replica.lock:

@@ -1,0 +1,85 @@
+"""After a start, a replica refuses local reads until it has caught up, once.
+
+`kvdir chaos` measured restarted replicas answering local lookups from state
+minutes old while they replayed (docs/chaos.md). The replica here is a stand-in
+(a real `Table` and lock, with fixed applied/commit indexes) because a real
+process's replay cannot be held at a chosen point; the gRPC server, the service
+and the client are the real ones, over loopback.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from directory.client import DirectoryClient, Unavailable, namespace
+from directory.config import DirectoryConfig
+from directory.metrics import DirectoryMetrics
+from directory.server import DirectoryService, WallClock
+from directory.table import Table
+from kvdir.local import free_ports
+from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.integration
+
+SPACE = namespace("catchup/model", 16)
+LAG_MAX = 1000
+
+
+class Replaying:
+    """Stands in for a DirectoryReplica part-way through replaying its journal."""
+
+    def __init__(self, applied: int, commit: int) -> None:
+        self.table = Table()
+        self.lock = threading.Lock()
+        self.raftLastApplied = applied
+        self.raftCommitIndex = commit
+        self.leader: str | None = None
+
+    def leader_address(self) -> str | None:
+        return self.leader
+
+
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[tuple[Replaying, str]]:
+    (port,) = free_ports(1)
+    addr = f"127.0.0.1:{port}"
+    cfg = DirectoryConfig("r1", "127.0.0.1:1", addr, str(tmp_path))
+    replica = Replaying(applied=10, commit=10 + LAG_MAX + 1)
+    service = DirectoryService(cfg, replica, DirectoryMetrics(), lambda: 0, WallClock())  # type: ignore[arg-type]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    pb_grpc.add_PrefixDirectoryServicer_to_server(service, server)
+    server.add_insecure_port(addr)
+    server.start()
+    try:
+        yield replica, addr
+    finally:
+        server.stop(0).wait(5)
+
+
+def test_local_reads_wait_until_the_replica_has_caught_up(served: tuple[Replaying, str]) -> None:
+    replica, addr = served
+    with DirectoryClient([addr], timeout_s=0.5) as c:
+        # No leader heard yet: the replica cannot know how far behind it is.
+        with pytest.raises(Unavailable, match="no leader heard yet"):
+            c.lookup(SPACE, [b"\x00" * 8], address=addr)
+        replica.leader = "127.0.0.1:1"
+        with pytest.raises(Unavailable, match="catching up after start: 1001 committed entries"):
+            c.lookup(SPACE, [b"\x00" * 8], address=addr)
+        with pytest.raises(Unavailable, match="catching up"):
+            c.lookup_batch([], address=addr)
+        replica.raftLastApplied = replica.raftCommitIndex - LAG_MAX  # within the bound
+        resp = c.lookup(SPACE, [b"\x00" * 8], address=addr)
+        assert list(resp.matches) == []
+        assert resp.read.commit_index - resp.read.applied_index == LAG_MAX
+        # Caught up once: a later lag (a burst of writes) is reported, not refused.
+        replica.raftCommitIndex += 10 * LAG_MAX
+        replica.leader = None
+        resp = c.lookup(SPACE, [b"\x00" * 8], address=addr)
+        assert resp.read.commit_index - resp.read.applied_index == 11 * LAG_MAX
+        assert c.lookup_batch([], address=addr).read.applied_index == replica.raftLastApplied
