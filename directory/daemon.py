@@ -59,6 +59,7 @@ class DirectoryDaemon:
         self.server: grpc.Server | None = None
         self.health = health.HealthServicer()
         self._metrics_server: Any = None
+        self._service: DirectoryService | None = None
 
     def _on_state_changed(self, old: int, new: int) -> None:
         self._role = new
@@ -108,6 +109,7 @@ class DirectoryDaemon:
             raise StartError(f"cannot bind raft address {cfg.raft_address}") from e
         replica = self.replica
         service = DirectoryService(cfg, replica, self.metrics, lambda: self._role, self.clock)
+        self._service = service
         self.metrics.bind(
             role=lambda: self._role,
             term=lambda: replica.raftCurrentTerm,
@@ -188,6 +190,8 @@ class DirectoryDaemon:
     def _health_loop(self) -> None:
         last: bool | None = None
         while not self._stop.wait(HEALTH_INTERVAL_S):
+            if self._service is not None:
+                self._service.observe_catch_up()  # lifts the local-read gate once
             serving = self._serving()
             if serving != last:
                 status = (

@@ -182,6 +182,21 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
             linearizable=linearizable,
         )
 
+    def observe_catch_up(self) -> bool:
+        """Whether this replica has caught up since its start (lifting the gate
+        once it has). The daemon's health loop calls this every tick, so a
+        replica that serves no local read before it loses its quorum has still
+        lifted the gate while it could see a leader."""
+        if self._caught_up:
+            return True
+        r = self.replica
+        if r.leader_address() is None:
+            return False
+        if r.raftCommitIndex - r.raftLastApplied > self.limits.local_read_lag_max:
+            return False
+        self._caught_up = True
+        return True
+
     def _check_caught_up(self, context: grpc.ServicerContext) -> None:
         """Refuse local reads from a replica still replaying after its start.
 
@@ -191,21 +206,18 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         lifts once and stays lifted: in steady state a follower's lag is the
         ReadInfo the caller gets, not a reason to refuse.
         """
-        if self._caught_up:
+        if self.observe_catch_up():
             return
         r = self.replica
-        lag = r.raftCommitIndex - r.raftLastApplied
         if r.leader_address() is None:
             self._unavailable(
                 context, "catching up after start: no leader heard yet; ask another replica"
             )
-        if lag > self.limits.local_read_lag_max:
-            self._unavailable(
-                context,
-                f"catching up after start: {lag} committed entries not applied yet; "
-                "ask another replica",
-            )
-        self._caught_up = True
+        self._unavailable(
+            context,
+            f"catching up after start: {r.raftCommitIndex - r.raftLastApplied} committed "
+            "entries not applied yet; ask another replica",
+        )
 
     def _barrier(self, context: grpc.ServicerContext) -> None:
         if self.replica.leader_address() is None:
