@@ -46,10 +46,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from directory.config import ConfigError, read_toml, security_sections
-from directory.limits import LEASE_MS_DEFAULT, LEASE_MS_MAX, LEASE_MS_MIN
-from directory.security import AuthConfig, TlsConfig
-from proto.kvdir.v1 import directory_pb2 as pb
+from kvdir.core.config import ConfigError, read_toml, security_sections
+from kvdir.core.security import AuthConfig, TlsConfig
+from kvdir.core.wire import namespace_key
+from kvdir.directory.limits import LEASE_MS_DEFAULT, LEASE_MS_MAX, LEASE_MS_MIN
+from kvdir.v1 import directory_pb2 as pb
 
 POOL_BYTES_MAX = 1 << 40
 TRANSPORTS = ("tcp", "shm", "rdma")
@@ -242,7 +243,7 @@ def _check(cfg: AgentConfig) -> None:
             )
         if p.tier not in ("host", "gpu"):
             raise ConfigError(f"[[pools]] #{i + 1}: tier must be 'host' or 'gpu'")
-        key = p.namespace().SerializeToString(deterministic=True)
+        key = namespace_key(p.namespace())
         if key in seen:
             raise ConfigError(f"[[pools]] #{i + 1}: two pools for one namespace")
         seen.add(key)

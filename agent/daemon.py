@@ -17,16 +17,16 @@ import grpc
 import zmq
 from prometheus_client import start_http_server
 
-from agent.config import AgentConfig
-from agent.events.ingest import EngineIngest
-from agent.events.metrics import EventsCollector
-from agent.fetcher import Fetcher, PeerCache
-from agent.metrics import AgentMetrics
-from agent.pool import KvPool
-from agent.publisher import Holding, NodeIdentity, Publisher, PublisherLimits
-from agent.service import AgentCore, AgentService, EngineService, PoolState, ns_key
-from directory.client import DirectoryClient, DirectoryError
-from directory.security import (
+from kvdir.agent.config import AgentConfig
+from kvdir.agent.events.ingest import EngineIngest
+from kvdir.agent.events.metrics import EventsCollector
+from kvdir.agent.fetcher import Fetcher, PeerCache
+from kvdir.agent.metrics import AgentMetrics
+from kvdir.agent.pool import KvPool
+from kvdir.agent.publisher import Holding, NodeIdentity, Publisher, PublisherLimits
+from kvdir.agent.service import AgentCore, AgentService, EngineService, PoolState, ns_key
+from kvdir.core.client import DirectoryClient, DirectoryError
+from kvdir.core.security import (
     AuthConfig,
     ClientSecurity,
     SecurityConfigError,
@@ -34,12 +34,12 @@ from directory.security import (
     TlsConfig,
     ssl_contexts,
 )
-from directory.validate import namespace_key
-from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
-from proto.kvdir.v1 import directory_pb2 as pb
-from transfer.base import TransferError
-from transfer.engine import TransferEngine
-from transfer.tcp import TcpTls
+from kvdir.directory.validate import namespace_key
+from kvdir.transfer.base import TransferError
+from kvdir.transfer.engine import TransferEngine
+from kvdir.transfer.tcp import TcpTls
+from kvdir.v1 import agent_pb2_grpc as apb_grpc
+from kvdir.v1 import directory_pb2 as pb
 
 log = logging.getLogger("kvdir.agent")
 
@@ -106,7 +106,7 @@ class AgentDaemon:
             raise AgentStartError(f"cannot open the KV pool under {cfg.pool_dir}: {e}") from e
         rdma = None
         if "rdma" in cfg.transports:
-            from agent import rdma_link
+            from kvdir.agent import rdma_link
 
             rdma = rdma_link.options(
                 cfg.node_id,

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 
 import grpc
 
-from agent.pool import STORED, Geometry, KvPool
-from proto.kvdir.v1 import agent_pb2 as apb
-from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
-from proto.kvdir.v1 import directory_pb2 as pb
-from transfer.memory import SharedMemory
+from kvdir.agent.pool import STORED, Geometry, KvPool
+from kvdir.core.wire import namespace_key
+from kvdir.transfer.memory import SharedMemory
+from kvdir.v1 import agent_pb2 as apb
+from kvdir.v1 import agent_pb2_grpc as apb_grpc
+from kvdir.v1 import directory_pb2 as pb
 
 QUEUE_MAX = 65_536
 SHIP_BATCH_MAX = 4_096
@@ -42,12 +43,12 @@ class Allocation:
     generations: list[int]
 
 
-_Item = tuple[bytes, bool, tuple[bytes, ...], tuple[int, ...], list[int]]
+_Item = tuple[str, bool, tuple[bytes, ...], tuple[int, ...], list[int]]
 """(namespace key, stored?, hashes, slots, generations) of one stored/removed call."""
 
 
-def _key(ns: pb.Namespace) -> bytes:
-    return ns.SerializeToString(deterministic=True)
+def _key(ns: pb.Namespace) -> str:
+    return namespace_key(ns)
 
 
 class _AttachedPool:
@@ -86,7 +87,7 @@ class EngineClient:
 
     # ------------------------------------------------------------- helpers
 
-    def _pool(self, ns: pb.Namespace, key: bytes | None = None) -> _AttachedPool:
+    def _pool(self, ns: pb.Namespace, key: str | None = None) -> _AttachedPool:
         p = self.pools.get(_key(ns) if key is None else key)
         if p is None:
             raise EngineError(f"the agent has no pool for namespace {ns.model!r}")
@@ -194,7 +195,7 @@ class EngineClient:
             drops, self._unreported_drops = self._unreported_drops, 0
             if not items and not drops:
                 return
-            by_ns: dict[bytes, apb.NotifyRequest] = {}
+            by_ns: dict[str, apb.NotifyRequest] = {}
             for item in items:
                 key, store, hashes, slots, gens = item
                 req = by_ns.get(key)

@@ -20,27 +20,38 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
-from agent.pool import HEADER_BYTES, KvPool, valid_prefix
-from directory.client import DirectoryClient, DirectoryError, records
-from directory.security import PLAIN, ClientSecurity
-from proto.kvdir.v1 import agent_pb2 as apb
-from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
-from proto.kvdir.v1 import directory_pb2 as pb
-from transfer.base import Channel, Read, TransferError
-from transfer.engine import Descriptor, TransferEngine
-from transfer.shm import host_identity
+from kvdir.agent.pool import HEADER_BYTES, KvPool, valid_prefix
+from kvdir.core.client import DirectoryClient, DirectoryError, records
+from kvdir.core.security import PLAIN, ClientSecurity
+from kvdir.core.wire import AGENT_WIRE_VERSION, BadNamespace, namespace_key
+from kvdir.transfer.base import Channel, Read, TransferError
+from kvdir.transfer.engine import Descriptor, TransferEngine
+from kvdir.transfer.shm import host_identity
+from kvdir.v1 import agent_pb2 as apb
+from kvdir.v1 import agent_pb2_grpc as apb_grpc
+from kvdir.v1 import directory_pb2 as pb
 
 log = logging.getLogger("kvdir.agent.fetch")
 
 PEER_COOLDOWN_S = 5.0
 HOLDERS_TRIED_MAX = 3
 HANDSHAKE_TIMEOUT_S = 2.0
-WIRE_VERSION = 1
+
+
+def _pools_by_key(pools: Iterable[apb.PoolInfo]) -> dict[str, apb.PoolInfo]:
+    """A peer's pools by namespace key; one it describes malformed is left out."""
+    out: dict[str, apb.PoolInfo] = {}
+    for p in pools:
+        try:
+            out[namespace_key(p.namespace)] = p
+        except BadNamespace:
+            continue
+    return out
 
 
 class FetchError(ValueError):
@@ -111,7 +122,9 @@ class PeerCache:
             try:
                 resp = apb_grpc.AgentStub(ch).Handshake(
                     apb.HandshakeRequest(
-                        version=WIRE_VERSION, node_id=self.self_node, transports=self.engine.names
+                        version=AGENT_WIRE_VERSION,
+                        node_id=self.self_node,
+                        transports=self.engine.names,
                     ),
                     timeout=HANDSHAKE_TIMEOUT_S,
                 )
@@ -124,12 +137,12 @@ class PeerCache:
         offered = [Descriptor(t.name, dict(t.params)) for t in resp.transports]
         name, channel = self.engine.open_channel(offered)
         same_host = any(d.params.get("host_id") == host_identity() for d in offered)
-        pools = {p.namespace.SerializeToString(deterministic=True): p for p in resp.pools}
+        pools = _pools_by_key(resp.pools)
         return Peer(
             node_id,
             resp.incarnation,
             same_host,
-            {k.hex(): v for k, v in pools.items()},
+            pools,
             name,
             channel,
         )
@@ -214,7 +227,7 @@ class Fetcher:
         timeout_s: float,
     ) -> FetchResult:
         peer = self.peers.get(match.node_id, match.agent_endpoint)
-        info = peer.pools.get(ns.SerializeToString(deterministic=True).hex())
+        info = peer.pools.get(namespace_key(ns))
         if info is None:
             raise TransferError(f"{peer.node_id} has no pool for this namespace")
         rec = records(match)

@@ -31,11 +31,11 @@ import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from transfer.memory import PAGE_BYTES, SharedMemory, buffer_address
+from kvdir.core.wire import HASH_BYTES_MAX
+from kvdir.transfer.memory import PAGE_BYTES, SharedMemory, buffer_address
 
 MAGIC = b"KVDPOOL\x01"
 HEADER_BYTES = 64
-HASH_BYTES_MAX = 32
 
 FREE = 0
 ALLOCATED = 1

@@ -27,8 +27,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from directory.client import DirectoryClient, DirectoryError
-from proto.kvdir.v1 import directory_pb2 as pb
+from kvdir.core.client import DirectoryClient, DirectoryError
+from kvdir.core.wire import namespace_key
+from kvdir.v1 import directory_pb2 as pb
 
 log = logging.getLogger("kvdir.agent.publisher")
 
@@ -101,7 +102,7 @@ class Publisher:
 
     @staticmethod
     def ns_key(ns: pb.Namespace) -> str:
-        return ns.SerializeToString(deterministic=True).hex()
+        return namespace_key(ns)
 
     def _enqueue(
         self, ns: pb.Namespace, tier: int, hashes: Sequence[bytes], changes: Iterable[_Change]

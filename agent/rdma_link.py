@@ -14,14 +14,14 @@ from typing import NoReturn
 
 import grpc
 
-from directory.security import PLAIN, ClientSecurity, current_identity
-from proto.kvdir.v1 import agent_pb2 as apb
-from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
-from transfer.base import PeerUnavailable, TransferError
-from transfer.engine import TransferEngine
-from transfer.rdma_support import Exchange, RdmaErrors, RdmaOptions
+from kvdir.core.security import PLAIN, ClientSecurity, current_identity
+from kvdir.core.wire import AGENT_WIRE_VERSION
+from kvdir.transfer.base import PeerUnavailable, TransferError
+from kvdir.transfer.engine import TransferEngine
+from kvdir.transfer.rdma_support import Exchange, RdmaErrors, RdmaOptions
+from kvdir.v1 import agent_pb2 as apb
+from kvdir.v1 import agent_pb2_grpc as apb_grpc
 
-WIRE_VERSION = 1
 CONNECT_TIMEOUT_S = 5.0
 PARAMS_MAX = 32
 """Entries of a ConnectRdma params map (a handful are used)."""
@@ -47,7 +47,7 @@ def grpc_exchange(self_node: str, security: ClientSecurity = PLAIN) -> Exchange:
         if not endpoint:
             raise PeerUnavailable("the peer's rdma descriptor names no agent endpoint")
         req = apb.ConnectRdmaRequest(
-            version=WIRE_VERSION,
+            version=AGENT_WIRE_VERSION,
             node_id=self_node,
             holder_node_id=descriptor.get("node_id", ""),
             params=params,
@@ -76,11 +76,12 @@ def serve_connect(
     context: grpc.ServicerContext,
 ) -> apb.ConnectRdmaResponse:
     """Holder side of ConnectRdma."""
-    if request.version != WIRE_VERSION:
+    if request.version != AGENT_WIRE_VERSION:
         _abort(
             context,
             grpc.StatusCode.FAILED_PRECONDITION,
-            f"ConnectRdma version {request.version} is not supported (this is {WIRE_VERSION})",
+            f"ConnectRdma version {request.version} is not supported "
+            f"(this is {AGENT_WIRE_VERSION})",
         )
     if request.holder_node_id != node_id:
         _abort(

@@ -14,18 +14,18 @@ from typing import NoReturn, cast
 
 import grpc
 
-from agent.fetcher import Fetcher, FetchError
-from agent.metrics import AgentMetrics
-from agent.pool import STORED, KvPool, PoolError
-from agent.publisher import Publisher
-from directory.security import current_identity
-from proto.kvdir.v1 import agent_pb2 as apb
-from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
-from proto.kvdir.v1 import directory_pb2 as pb
-from transfer.base import Region
-from transfer.engine import TransferEngine
+from kvdir.agent.fetcher import Fetcher, FetchError
+from kvdir.agent.metrics import AgentMetrics
+from kvdir.agent.pool import STORED, KvPool, PoolError
+from kvdir.agent.publisher import Publisher
+from kvdir.core.security import current_identity
+from kvdir.core.wire import AGENT_WIRE_VERSION, BadNamespace, namespace_key
+from kvdir.transfer.base import Region
+from kvdir.transfer.engine import TransferEngine
+from kvdir.v1 import agent_pb2 as apb
+from kvdir.v1 import agent_pb2_grpc as apb_grpc
+from kvdir.v1 import directory_pb2 as pb
 
-WIRE_VERSION = 1
 CHAIN_BLOCKS_MAX = 4096
 NOTIFY_ENTRIES_MAX = 65536
 
@@ -71,7 +71,11 @@ class PoolState:
 
 
 def ns_key(ns: pb.Namespace) -> str:
-    return ns.SerializeToString(deterministic=True).hex()
+    """The pool map's key: the one namespace key (a malformed namespace matches no pool)."""
+    try:
+        return namespace_key(ns)
+    except BadNamespace:
+        return ""
 
 
 class AgentCore:
@@ -117,11 +121,11 @@ class AgentService(apb_grpc.AgentServicer):
     def Handshake(
         self, request: apb.HandshakeRequest, context: grpc.ServicerContext
     ) -> apb.HandshakeResponse:
-        if request.version != WIRE_VERSION:
+        if request.version != AGENT_WIRE_VERSION:
             _abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"wire version {request.version} is not supported (this is {WIRE_VERSION})",
+                f"wire version {request.version} is not supported (this is {AGENT_WIRE_VERSION})",
             )
         caller = current_identity()  # None only in plain mode; else authenticated
         if caller is not None and request.node_id != caller:
@@ -131,7 +135,7 @@ class AgentService(apb_grpc.AgentServicer):
                 f"caller {caller!r} may not handshake as {request.node_id!r}",
             )
         resp = apb.HandshakeResponse(
-            version=WIRE_VERSION,
+            version=AGENT_WIRE_VERSION,
             node_id=self.core.node_id,
             incarnation=self.core.publisher.incarnation,
         )
@@ -143,7 +147,7 @@ class AgentService(apb_grpc.AgentServicer):
     def ConnectRdma(
         self, request: apb.ConnectRdmaRequest, context: grpc.ServicerContext
     ) -> apb.ConnectRdmaResponse:
-        from agent import rdma_link
+        from kvdir.agent import rdma_link
 
         return rdma_link.serve_connect(self.core.node_id, self.core.engine, request, context)
 

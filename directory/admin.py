@@ -28,13 +28,13 @@ import grpc
 from pysyncobj import FAIL_REASON
 from pysyncobj.node import TCPNode
 
-from directory import backup
-from directory.config import DirectoryConfig
-from directory.membership import MembershipError, parse_raft_address
-from directory.raft import DirectoryReplica, Outcome
-from directory.security import authorize_admin
-from proto.kvdir.v1 import directory_pb2 as pb
-from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
+from kvdir.core.security import authorize_admin
+from kvdir.directory import backup
+from kvdir.directory.config import DirectoryConfig
+from kvdir.directory.membership import MembershipError, parse_raft_address
+from kvdir.directory.raft import DirectoryReplica, Outcome
+from kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvdir.directory.admin")
 

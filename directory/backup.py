@@ -37,10 +37,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from directory import codec, snapshot
-from directory.commands import Command
-from directory.membership import lock_data_dir, parse_raft_address, write_cluster_id
-from directory.table import Table
+from kvdir.directory import codec, snapshot
+from kvdir.directory.commands import Command
+from kvdir.directory.membership import lock_data_dir, parse_raft_address, write_cluster_id
+from kvdir.directory.table import Table
 
 MAGIC = b"KVDBACK\x00"
 FORMAT_VERSION = 1
@@ -366,7 +366,7 @@ def recover(
     members = sorted({parse_raft_address(m) for m in new_members})
     if not members:
         raise BackupError("give --new-members RAFT_HOST:PORT,...")
-    from directory.membership import read_cluster_id
+    from kvdir.directory.membership import read_cluster_id
 
     state = recover_state(data_dir)
     # A new term space starts at ANCHOR_TERM; the index moves on past everything replayed.

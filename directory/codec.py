@@ -16,7 +16,8 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Sequence
 
-from directory.commands import (
+from kvdir.core.wire import HASH_BYTES_MAX
+from kvdir.directory.commands import (
     Barrier,
     ClearNode,
     Command,
@@ -26,7 +27,7 @@ from directory.commands import (
     RegisterNode,
     Remove,
 )
-from directory.limits import HASH_BYTES_MAX
+from kvdir.directory.limits import COMMAND_BYTES_MAX
 
 MAGIC = b"K"
 VERSION = 2  # 2: Remove carries an address guard
@@ -205,7 +206,11 @@ def encode(cmd: Command) -> bytes:
                 w.u64(incarnation)
         case Barrier():
             w = _Writer(_T_BARRIER)
-    return w.done()
+    blob = w.done()
+    # Validation bounds every field (limits.py ties batch sizes to this), so a
+    # longer command is a programmer error, never an operator's.
+    assert len(blob) <= COMMAND_BYTES_MAX, f"command of {len(blob)} bytes"
+    return blob
 
 
 def _node_ns_tier(w: _Writer, node_id: str, incarnation: int, namespace: str, tier: int) -> None:
@@ -284,6 +289,8 @@ def decode(buf: bytes) -> Command:
     """Decode one command; raises CodecError on anything malformed."""
     if len(buf) < 3 or buf[:1] != MAGIC:
         raise CodecError("not a kvdir command")
+    if len(buf) > COMMAND_BYTES_MAX:
+        raise CodecError(f"a command of {len(buf)} bytes (at most {COMMAND_BYTES_MAX})")
     if buf[1] != VERSION:
         raise CodecError(f"command format version {buf[1]} is not supported (this is {VERSION})")
     decoder = _DECODERS.get(buf[2])

@@ -33,20 +33,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
-from directory.limits import LEASE_MS_DEFAULT, RequestLimits
-from directory.raft import RaftTuning
-from directory.security import AuthConfig, SecurityConfigError, TlsConfig
-from directory.security import check as check_security
+from kvdir.core.config import ConfigError, read_toml, section, security_sections
+from kvdir.core.security import AuthConfig, TlsConfig
+from kvdir.directory.limits import BATCH_ENTRIES_CEILING, LEASE_MS_DEFAULT, RequestLimits
+from kvdir.directory.raft import RaftTuning
 
 _CLUSTER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-
-
-class ConfigError(ValueError):
-    """The configuration is unusable; the message says which field and why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,18 +90,6 @@ class DirectoryConfig:
         return out
 
 
-def _sub(cls: Any, raw: Any, section: str) -> Any:
-    if raw is None:
-        return cls()
-    if not isinstance(raw, dict):
-        raise ConfigError(f"[{section}] must be a table")
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(raw) - names)
-    if unknown:
-        raise ConfigError(f"[{section}] has unknown keys: {', '.join(unknown)}")
-    return cls(**raw)
-
-
 def from_dict(raw: dict[str, Any]) -> DirectoryConfig:
     raw = dict(raw)
     peers_raw = raw.pop("peers", [])
@@ -116,8 +99,8 @@ def from_dict(raw: dict[str, Any]) -> DirectoryConfig:
         peers = tuple(Peer(**p) for p in peers_raw)
     except TypeError as e:
         raise ConfigError(f"bad [[peers]] entry: {e}") from e
-    limits = _sub(RequestLimits, raw.pop("limits", None), "limits")
-    tuning = _sub(RaftTuning, raw.pop("raft", None), "raft")
+    limits = section(RequestLimits, raw.pop("limits", None), "limits")
+    tuning = section(RaftTuning, raw.pop("raft", None), "raft")
     tls, auth = security_sections(raw)
     names = {f.name for f in dataclasses.fields(DirectoryConfig)}
     unknown = sorted(set(raw) - names)
@@ -139,30 +122,10 @@ def from_dict(raw: dict[str, Any]) -> DirectoryConfig:
     return cfg
 
 
-def security_sections(raw: dict[str, Any]) -> tuple[TlsConfig, AuthConfig]:
-    """Pop and check the [tls] and [auth] sections of a config dict."""
-    tls = _sub(TlsConfig, raw.pop("tls", None), "tls")
-    auth_raw = raw.pop("auth", None)
-    if isinstance(auth_raw, dict) and "admins" in auth_raw:
-        admins = auth_raw["admins"]
-        if not isinstance(admins, list) or not all(isinstance(a, str) for a in admins):
-            raise ConfigError("[auth] admins must be an array of identities")
-        auth_raw = {**auth_raw, "admins": tuple(admins)}
-    auth = _sub(AuthConfig, auth_raw, "auth")
-    for section, obj in (("tls", tls), ("auth", auth)):
-        for f in dataclasses.fields(obj):
-            value, want = getattr(obj, f.name), type(getattr(type(obj)(), f.name))
-            if not isinstance(value, want):
-                raise ConfigError(f"[{section}] {f.name} must be a {want.__name__}")
-    try:
-        check_security(tls, auth)
-    except SecurityConfigError as e:
-        raise ConfigError(str(e)) from e
-    return tls, auth
-
-
 def _check(cfg: DirectoryConfig) -> None:
     """Refuse values pysyncobj would assert on, or that make no sense, with a reason."""
+    if not 0 < cfg.limits.batch_entries_max <= BATCH_ENTRIES_CEILING:
+        raise ConfigError(f"[limits] batch_entries_max must be 1..{BATCH_ENTRIES_CEILING}")
     t = cfg.raft
     if not 0 < t.append_entries_period_s * 3 < t.election_min_s < t.election_max_s:
         raise ConfigError(
@@ -192,19 +155,6 @@ def _check(cfg: DirectoryConfig) -> None:
         raise ConfigError("log_format must be 'json' or 'text'")
     if cfg.grpc_workers <= 0 or cfg.lease_sweep_ms <= 0 or cfg.lease_default_ms <= 0:
         raise ConfigError("grpc_workers, lease_sweep_ms and lease_default_ms must be > 0")
-
-
-def read_toml(path: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A TOML config file as a dict, with the non-None `overrides` (flags) on top."""
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except OSError as e:
-        raise ConfigError(f"cannot read {path}: {e.strerror}") from e
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{path} is not valid TOML: {e}") from e
-    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    return raw
 
 
 def load(path: str, overrides: dict[str, Any] | None = None) -> DirectoryConfig:

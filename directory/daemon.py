@@ -18,13 +18,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from directory.admin import AdminService
-from directory.config import DirectoryConfig
-from directory.membership import MembershipError, lock_data_dir, resolve_cluster_id
-from directory.metrics import DirectoryMetrics
-from directory.raft import DirectoryReplica
-from directory.security import SecurityConfigError, ServerSecurity, read_secret
-from directory.server import (
+from kvdir.core.security import SecurityConfigError, ServerSecurity, read_secret
+from kvdir.core.wire import GRPC_MESSAGE_BYTES_MAX
+from kvdir.directory.admin import AdminService
+from kvdir.directory.config import DirectoryConfig
+from kvdir.directory.membership import MembershipError, lock_data_dir, resolve_cluster_id
+from kvdir.directory.metrics import DirectoryMetrics
+from kvdir.directory.raft import DirectoryReplica
+from kvdir.directory.server import (
     SERVICE_NAME,
     Clock,
     DirectoryService,
@@ -32,15 +33,14 @@ from directory.server import (
     LeaseSweeper,
     WallClock,
 )
-from proto.kvdir.v1 import directory_pb2 as pb
-from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
+from kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvdir.directory")
 
 HEALTH_INTERVAL_S = 0.1
 APPLY_LAG_SERVING_MAX = 1000
 """A replica more than this many entries behind its commit index is catching up."""
-GRPC_MESSAGE_BYTES_MAX = 64 * 1024 * 1024
 
 
 class StartError(RuntimeError):

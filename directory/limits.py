@@ -1,6 +1,8 @@
 """Every bound the directory enforces, in one place (units last in names).
 
-A limit that is not here does not exist: queues, batches, chains and loops all
+Field sizes and the gRPC message bound are wire-wide and live in
+kvdir/core/wire.py; everything the directory itself bounds is here.
+A limit that is in neither place does not exist: queues, batches, chains and loops all
 take their maximum from this module, so an operator can read the whole envelope
 of the service on one page. Server-side overrides come from the config file;
 the defaults are sized for a 2-core replica holding ~10M entries.
@@ -10,15 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-HASH_BYTES_MAX = 32
-"""Engines hash blocks to u64 (8 bytes) or to 32-byte digests."""
-
-NODE_ID_BYTES_MAX = 128
-HOST_BYTES_MAX = 256
-ENDPOINT_BYTES_MAX = 256
-TRANSPORTS_MAX = 8
-TRANSPORT_NAME_BYTES_MAX = 32
-NAMESPACE_FIELD_BYTES_MAX = 256
+from kvdir.core.wire import (
+    GRPC_MESSAGE_BYTES_MAX,
+    HASH_BYTES_MAX,
+    NAMESPACE_FIELD_BYTES_MAX,
+    NODE_ID_BYTES_MAX,
+)
 
 HOLDERS_PER_BLOCK_MAX = 64
 """(node, tier) holders kept per block; the oldest is replaced beyond this."""
@@ -31,7 +30,22 @@ EXPIRE_NODES_PER_COMMAND_MAX = 256
 """Nodes one ExpireNodes command may drop; more wait for the next sweep."""
 
 COMMAND_BYTES_MAX = 8 * 1024 * 1024
-"""A decoded Raft command larger than this is refused before it is proposed."""
+"""Largest encoded Raft command: the codec asserts it before a command is proposed
+and refuses a longer one when decoding (a corrupt or hostile log entry)."""
+
+BATCH_ENTRIES_CEILING = 16_384
+"""The most a cluster may configure as `batch_entries_max` (see the tie below)."""
+
+PUBLISH_ENTRY_BYTES_MAX = 1 + HASH_BYTES_MAX + 8 + 4 + 4 + 8
+"""One Publish entry in the codec: hash length, hash, address, length, rkey, generation."""
+
+COMMAND_HEAD_BYTES_MAX = 64 + 3 * NAMESPACE_FIELD_BYTES_MAX + NODE_ID_BYTES_MAX
+"""Everything in a Publish or Remove besides its entries (ids, namespace key, counts)."""
+
+# The largest batch a replica can be configured to accept must encode within one
+# command, and one command must fit in one gRPC message (backups, forwarding).
+assert BATCH_ENTRIES_CEILING * PUBLISH_ENTRY_BYTES_MAX + COMMAND_HEAD_BYTES_MAX <= COMMAND_BYTES_MAX
+assert COMMAND_BYTES_MAX <= GRPC_MESSAGE_BYTES_MAX
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +55,7 @@ class RequestLimits:
     chain_blocks_max: int = 4096
     """Blocks in one lookup chain (4096 x 512 tokens = 2M tokens)."""
     batch_entries_max: int = 8192
-    """Entries in one Publish or Remove."""
+    """Entries in one Publish or Remove (at most BATCH_ENTRIES_CEILING)."""
     lookup_batch_max: int = 256
     """Chains in one LookupBatch."""
     lookup_nodes_max: int = 64

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from directory.table import Columns, Match, Table
+    from kvdir.directory.table import Columns, Match, Table
 
 NIL = 0xFFFFFFFF
 _TIER_WORST = 255

@@ -32,10 +32,10 @@ from pysyncobj.config import SERIALIZER_STATE
 from pysyncobj.monotonic import monotonic as raft_clock  # pysyncobj's own clock
 from pysyncobj.node import TCPNode
 
-from directory import codec, snapshot
-from directory.commands import Barrier, Command, Result
-from directory.membership import FencedTransport
-from directory.table import Table
+from kvdir.directory import codec, snapshot
+from kvdir.directory.commands import Barrier, Command, Result
+from kvdir.directory.membership import FencedTransport
+from kvdir.directory.table import Table
 
 log = logging.getLogger("kvdir.directory.raft")
 

@@ -29,8 +29,9 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 
-from directory import validate
-from directory.commands import (
+from kvdir.core.security import authorize_node
+from kvdir.directory import validate
+from kvdir.directory.commands import (
     ClearNode,
     Expired,
     ExpireNodes,
@@ -43,14 +44,13 @@ from directory.commands import (
     Renewed,
     Result,
 )
-from directory.config import DirectoryConfig
-from directory.limits import EXPIRE_NODES_PER_COMMAND_MAX
-from directory.metrics import DirectoryMetrics
-from directory.raft import DirectoryReplica, Outcome
-from directory.security import authorize_node
-from directory.table import Match
-from proto.kvdir.v1 import directory_pb2 as pb
-from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
+from kvdir.directory.config import DirectoryConfig
+from kvdir.directory.limits import EXPIRE_NODES_PER_COMMAND_MAX
+from kvdir.directory.metrics import DirectoryMetrics
+from kvdir.directory.raft import DirectoryReplica, Outcome
+from kvdir.directory.table import Match
+from kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvdir.directory.server")
 

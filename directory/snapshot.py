@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from directory.table import NIL, NodeState, Table
+from kvdir.directory.table import NIL, NodeState, Table
 
 MAGIC = b"KVDSNAP\x00"
 FORMAT_VERSION = 2  # 2: fingerprint, key-width and sole-holder columns

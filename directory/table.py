@@ -23,8 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain, repeat
 
-from directory import lookup as prefix_lookup
-from directory.commands import (
+from kvdir.core.wire import HASH_BYTES_MAX
+from kvdir.directory import lookup as prefix_lookup
+from kvdir.directory.commands import (
     Barrier,
     ClearNode,
     Command,
@@ -44,7 +45,7 @@ from directory.commands import (
     Result,
     Tier,
 )
-from directory.limits import HASH_BYTES_MAX, HOLDERS_PER_BLOCK_MAX
+from kvdir.directory.limits import HOLDERS_PER_BLOCK_MAX
 
 NIL = 0xFFFFFFFF
 """End of a slot chain, and the node index of a free slot."""

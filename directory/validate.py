@@ -11,21 +11,19 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 
-from directory.commands import Publish, Remove, Tier
-from directory.limits import (
+from kvdir.core import wire
+from kvdir.core.wire import (
     ENDPOINT_BYTES_MAX,
     HASH_BYTES_MAX,
     HOST_BYTES_MAX,
-    LEASE_MS_MAX,
-    LEASE_MS_MIN,
-    NAMESPACE_FIELD_BYTES_MAX,
     NODE_ID_BYTES_MAX,
     TRANSPORT_NAME_BYTES_MAX,
     TRANSPORTS_MAX,
-    RequestLimits,
 )
-from directory.lookup import Chain
-from proto.kvdir.v1 import directory_pb2 as pb
+from kvdir.directory.commands import Publish, Remove, Tier
+from kvdir.directory.limits import LEASE_MS_MAX, LEASE_MS_MIN, RequestLimits
+from kvdir.directory.lookup import Chain
+from kvdir.v1 import directory_pb2 as pb
 
 _U32_MAX = 0xFFFFFFFF
 _U64_MAX = 0xFFFFFFFFFFFFFFFF
@@ -39,25 +37,11 @@ class BadRequest(ValueError):
 
 
 def namespace_key(ns: pb.Namespace) -> str:
-    """The canonical string of a namespace (the table's namespace key)."""
-    if not ns.model:
-        raise BadRequest("bad-namespace", "namespace.model is required")
-    if ns.block_tokens == 0:
-        raise BadRequest("bad-namespace", "namespace.block_tokens must be > 0")
-    for name in ("model", "dtype", "layout"):
-        value = getattr(ns, name)
-        if len(value.encode()) > NAMESPACE_FIELD_BYTES_MAX:
-            raise BadRequest(
-                "bad-namespace",
-                f"namespace.{name} is longer than {NAMESPACE_FIELD_BYTES_MAX} bytes",
-            )
-        if "\x1f" in value:
-            raise BadRequest("bad-namespace", f"namespace.{name} contains a control character")
-    if ns.tp_size and ns.tp_rank >= ns.tp_size:
-        raise BadRequest("bad-namespace", "namespace.tp_rank must be < tp_size")
-    return "\x1f".join(
-        (ns.model, ns.dtype, str(ns.block_tokens), ns.layout, f"{ns.tp_rank}/{ns.tp_size}")
-    )
+    """The namespace's key (kvdir.core.wire), a malformed one refused as a BadRequest."""
+    try:
+        return wire.namespace_key(ns)
+    except wire.BadNamespace as e:
+        raise BadRequest("bad-namespace", str(e)) from e
 
 
 def node_id(value: str) -> str:

@@ -26,12 +26,13 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from directory.client import DirectoryClient, DirectoryError, namespace
-from directory.config import ConfigError, DirectoryConfig, from_dict, parse_peer, read_toml
-from directory.raft import RaftTuning
-from directory.security import ClientSecurity, SecurityConfigError
-from kvdir import ops, secflags
-from proto.kvdir.v1 import directory_pb2 as pb
+from kvdir import ops, secflags, tools
+from kvdir.core.client import DirectoryClient, DirectoryError, namespace
+from kvdir.core.config import ConfigError, read_toml
+from kvdir.core.security import ClientSecurity, SecurityConfigError
+from kvdir.directory.config import DirectoryConfig, from_dict, parse_peer
+from kvdir.directory.raft import RaftTuning
+from kvdir.v1 import directory_pb2 as pb
 
 DEFAULT_ADDRS = "127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103"
 
@@ -93,8 +94,8 @@ def _tuning(specs: list[str]) -> dict[str, Any]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from directory import logs
-    from directory.daemon import DirectoryDaemon, StartError
+    from kvdir.core import logs
+    from kvdir.directory.daemon import DirectoryDaemon, StartError
 
     cfg = _serve_config(args)
     logs.setup(cfg.log_format, args.log_level, {"replica_id": cfg.replica_id})
@@ -140,9 +141,9 @@ def _engine_spec(spec: str) -> dict[str, Any]:
 
 
 def cmd_agent_serve(args: argparse.Namespace) -> int:
-    from agent import config as agent_config
-    from agent.daemon import AgentDaemon, AgentStartError
-    from directory import logs
+    from kvdir.agent import config as agent_config
+    from kvdir.agent.daemon import AgentDaemon, AgentStartError
+    from kvdir.core import logs
 
     overrides: dict[str, Any] = {
         "node_id": args.node_id,
@@ -181,7 +182,7 @@ def cmd_agent_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from directory import logs
+    from kvdir.core import logs
     from kvdir.gateway import config as gateway_config
     from kvdir.gateway.server import serve
 
@@ -315,8 +316,8 @@ def _ready_once(
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from proto.kvdir.v1 import agent_pb2 as apb
-    from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
+    from kvdir.v1 import agent_pb2 as apb
+    from kvdir.v1 import agent_pb2_grpc as apb_grpc
 
     target = addr if ":" in addr or addr.startswith("unix:") else f"unix:{addr}"
     with security.channel(target) as ch:
@@ -447,8 +448,8 @@ def _watch_engine(args: argparse.Namespace) -> Any:
 
     import zmq
 
-    from agent.events.decode import BlockStored, DecodeError, decode_batch
-    from agent.events.selfcheck import checkable
+    from kvdir.agent.events.decode import BlockStored, DecodeError, decode_batch
+    from kvdir.agent.events.selfcheck import checkable
 
     sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
@@ -479,8 +480,8 @@ def _watch_engine(args: argparse.Namespace) -> Any:
 
 def cmd_check_hashes(args: argparse.Namespace) -> int:
     """Recompute the block hashes vLLM publishes; compare with given or live ones."""
-    from agent.events.decode import BlockStored
-    from agent.events.selfcheck import SelfCheckError, check_event, first_block_hashes
+    from kvdir.agent.events.decode import BlockStored
+    from kvdir.agent.events.selfcheck import SelfCheckError, check_event, first_block_hashes
 
     try:
         if args.endpoint:
@@ -512,10 +513,10 @@ def cmd_check_hashes(args: argparse.Namespace) -> int:
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
-    from kvdir.chaos.run import FAULT_KINDS, ChaosConfig, run
+    chaos = tools.load("bench.chaos.run", "chaos")
 
-    kinds = tuple(k for k in args.kinds.split(",") if k) or FAULT_KINDS
-    cfg = ChaosConfig(
+    kinds = tuple(k for k in args.kinds.split(",") if k) or chaos.FAULT_KINDS
+    cfg = chaos.ChaosConfig(
         out=args.out,
         replicas=args.replicas,
         faults=args.faults,
@@ -527,7 +528,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         max_seconds=args.max_seconds,
     )
     try:
-        result = run(cfg, stream=sys.stdout)
+        result = chaos.run(cfg, stream=sys.stdout)
     except (ValueError, RuntimeError) as e:
         raise CliError(str(e)) from e
     f = result.report.figures
@@ -696,10 +697,30 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     gw.add_argument("--log-level", default="INFO")
     gw.set_defaults(func=cmd_gateway)
 
-    from kvdir import demo, fuzz
+    from kvdir import demo
 
     demo.add_parser(sub)
-    fuzz.add_parser(sub)
+    _add_tool_parsers(sub, with_benchmarks)
+    return p
+
+
+def _tool_absent(what: str) -> Callable[[argparse.Namespace], int]:
+    def run(_args: argparse.Namespace) -> int:
+        tools.load("bench", what)  # raises ToolsMissing with the one-line reason
+        return 1
+
+    return run
+
+
+def _add_tool_parsers(sub: Any, with_benchmarks: bool) -> None:
+    """`kvdir fuzz|chaos|bench`: the checkout's tools (bench/), or one line saying why not."""
+    if not tools.available():
+        for what in ("fuzz", "chaos", "bench"):
+            sub.add_parser(what, help=f"{what} (needs a source checkout)").set_defaults(
+                func=_tool_absent(what)
+            )
+        return
+    tools.load("bench.fuzz", "fuzz").add_parser(sub)
     cs = sub.add_parser(
         "chaos", help="faults on a schedule against a namespaced directory; check the history"
     )
@@ -714,12 +735,9 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     cs.add_argument("--max-seconds", type=float, default=1800.0, help="stop injecting after this")
     cs.set_defaults(func=cmd_chaos)
     if with_benchmarks:
-        from kvdir.bench import add_parsers
-
-        add_parsers(sub)
+        tools.load("bench", "bench").add_parsers(sub)
     else:
         sub.add_parser("bench", help="benchmarks (results go under bench/results/)")
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -731,7 +749,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rc: int = args.func(args)
         return rc
-    except (CliError, ConfigError, DirectoryError, ops.OpsError, SecurityConfigError) as e:
+    except (
+        CliError,
+        ConfigError,
+        DirectoryError,
+        ops.OpsError,
+        SecurityConfigError,
+        tools.ToolsMissing,
+    ) as e:
         print(f"kvdir: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -20,7 +20,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvdir.bench.replay import RUN_ERRORS, ReplayError, Settings, replay
+from kvdir.replay import RUN_ERRORS, ReplayError, Settings, replay
 
 DEMO_NODES = 4
 DEMO_CONVERSATIONS = 60

@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from directory.client import DirectoryClient, DirectoryError
-from directory.security import PLAIN, ClientSecurity
-from proto.kvdir.v1 import directory_pb2 as pb
+from kvdir.core.client import DirectoryClient, DirectoryError
+from kvdir.core.security import PLAIN, ClientSecurity
+from kvdir.v1 import directory_pb2 as pb
 
 LOOPBACK = "127.0.0.1"
 
@@ -306,8 +306,8 @@ class LocalAgent:
     def wait_ready(self, timeout_s: float) -> None:
         import grpc
 
-        from proto.kvdir.v1 import agent_pb2 as apb
-        from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
+        from kvdir.v1 import agent_pb2 as apb
+        from kvdir.v1 import agent_pb2_grpc as apb_grpc
 
         def ready() -> bool:
             if self.proc is not None and self.proc.poll() is not None:

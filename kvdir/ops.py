@@ -16,11 +16,11 @@ from typing import Any
 
 import grpc
 
-from directory import backup
-from directory.membership import MembershipError
 from kvdir import secflags
-from proto.kvdir.v1 import directory_pb2 as pb
-from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
+from kvdir.directory import backup
+from kvdir.directory.membership import MembershipError
+from kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2_grpc as pb_grpc
 
 BACKUP_BYTES_MAX = 8 << 30
 """A sanity bound on what `ctl backup` accepts (1M entries are ~100 MB)."""

@@ -11,7 +11,7 @@ import argparse
 import os
 from typing import Any
 
-from directory.security import ClientSecurity, read_secret
+from kvdir.core.security import ClientSecurity, read_secret
 
 TOKEN_ENV = "KVDIR_TOKEN"
 

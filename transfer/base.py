@@ -1,6 +1,6 @@
 """The transfer interface: register memory, connect to a peer, read in batches.
 
-Every backend (tcp, shm, and later rdma and cuda) implements the same four
+Every backend (tcp, shm, rdma, cuda) implements the same four
 verbs, and nothing else:
 
 - ``Transport.register(memory) -> Region``: expose a local buffer to peers as

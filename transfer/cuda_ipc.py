@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from transfer.base import (
+from kvdir.transfer.base import (
     AccessDenied,
     Channel,
     PeerUnavailable,
@@ -59,9 +59,9 @@ from transfer.base import (
     check_destination,
     coalesce,
 )
-from transfer.memory import buffer_address
-from transfer.paged import PagedLayout, SegmentBatch
-from transfer.shm import host_identity
+from kvdir.transfer.memory import buffer_address
+from kvdir.transfer.paged import PagedLayout, SegmentBatch
+from kvdir.transfer.shm import host_identity
 
 PIECE_BYTES = 64 << 10
 """Largest piece one thread block copies (bigger segments are split)."""

@@ -13,46 +13,77 @@ rkey and never takes part in the host-pool channel choice above.
 
 from __future__ import annotations
 
-import importlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from transfer.base import Channel, PeerUnavailable, Region, Transport
-from transfer.memory import Registry, SharedMemory
-from transfer.paged import PagedLayout
-from transfer.rdma_support import RdmaOptions
+from kvdir.transfer.base import Channel, PeerUnavailable, Region, Transport
+from kvdir.transfer.memory import Registry, SharedMemory
+from kvdir.transfer.paged import PagedLayout
+from kvdir.transfer.rdma_support import RdmaOptions
 
 PREFERENCE = ("shm", "rdma", "tcp")
 """Backend order for a peer that offers several (fastest first)."""
 
-_BACKENDS = {
-    "tcp": ("transfer.tcp", "TcpTransport"),
-    "shm": ("transfer.shm", "ShmTransport"),
-    "rdma": ("transfer.rdma", "RdmaTransport"),
-    "cuda": ("transfer.cuda_ipc", "CudaIpcTransport"),
-}
 DEVICE_BACKENDS = ("cuda",)
 """Backends that expose GPU memory (`register_device`), never host pools."""
 REGISTER_FIRST = "rdma"
 """Registered first: its memory registration issues the rkey every backend shares."""
 
 
-def _load(name: str) -> Any:
-    module, cls = _BACKENDS[name]
+@dataclass(frozen=True, slots=True)
+class BackendOptions:
+    """What the backends are built from (each takes the part it needs)."""
+
+    registry: Registry
+    host: str
+    shared: Sequence[SharedMemory]
+    rdma: RdmaOptions | None
+    tcp_tls: Any
+
+
+def _tcp(o: BackendOptions) -> Transport:
+    from kvdir.transfer.tcp import TcpTransport
+
+    return TcpTransport(host=o.host, registry=o.registry, tls=o.tcp_tls)
+
+
+def _shm(o: BackendOptions) -> Transport:
+    if not o.shared:
+        raise ValueError("the shm backend needs the pools' shared memory")
+    from kvdir.transfer.shm import ShmTransport
+
+    return ShmTransport(o.shared, registry=o.registry)
+
+
+def _rdma(o: BackendOptions) -> Transport:
     try:
-        return getattr(importlib.import_module(module), cls)
+        from kvdir.transfer.rdma import RdmaTransport
     except ImportError as e:
-        if name == "rdma":
-            raise ValueError(
-                f"the rdma backend needs pyverbs, which cannot be imported here ({e}); "
-                "install rdma-core's Python bindings (Debian: python3-pyverbs) or drop "
-                "'rdma' from transports (`python -m transfer.rdma_support` reports what exists)"
-            ) from e
-        if name == "cuda":
-            raise ValueError(f"the cuda backend cannot be loaded here ({e})") from e
-        raise
+        raise ValueError(
+            f"the rdma backend needs pyverbs, which cannot be imported here ({e}); "
+            "install rdma-core's Python bindings (Debian: python3-pyverbs) or drop "
+            "'rdma' from transports (`python -m kvdir.transfer.rdma_support` reports what exists)"
+        ) from e
+    return RdmaTransport(o.rdma, registry=o.registry)
+
+
+def _cuda(_o: BackendOptions) -> Transport:
+    try:
+        from kvdir.transfer.cuda_ipc import CudaIpcTransport
+    except ImportError as e:
+        raise ValueError(f"the cuda backend cannot be loaded here ({e})") from e
+    return CudaIpcTransport()
+
+
+_BACKENDS: dict[str, Callable[[BackendOptions], Transport]] = {
+    "tcp": _tcp,
+    "shm": _shm,
+    "rdma": _rdma,
+    "cuda": _cuda,
+}
+"""The backends by name; each module is imported only when its backend is chosen."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,19 +110,8 @@ class TransferEngine:
                 f"(available: {', '.join(sorted(_BACKENDS))})"
             )
         self.registry = Registry()
-        self.transports: dict[str, Transport] = {}
-        for name in backends:
-            factory = _load(name)
-            if name == "rdma":
-                self.transports[name] = factory(rdma, registry=self.registry)
-            elif name == "tcp":
-                self.transports[name] = factory(host=host, registry=self.registry, tls=tcp_tls)
-            elif name == "shm":
-                if not shared:
-                    raise ValueError("the shm backend needs the pools' shared memory")
-                self.transports[name] = factory(shared, registry=self.registry)
-            elif name == "cuda":
-                self.transports[name] = factory()
+        options = BackendOptions(self.registry, host, shared, rdma, tcp_tls)
+        self.transports: dict[str, Transport] = {n: _BACKENDS[n](options) for n in backends}
         self._lock = threading.Lock()
 
     @property
@@ -114,7 +134,7 @@ class TransferEngine:
         t = self.transports.get("cuda")
         if t is None:
             raise ValueError("GPU memory needs the 'cuda' transport")
-        from transfer.cuda_ipc import CudaIpcTransport
+        from kvdir.transfer.cuda_ipc import CudaIpcTransport
 
         assert isinstance(t, CudaIpcTransport)
         return t.register_device(memory, layout)

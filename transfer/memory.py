@@ -17,7 +17,7 @@ import random
 import threading
 from dataclasses import dataclass
 
-from transfer.base import AccessDenied, Region
+from kvdir.transfer.base import AccessDenied, Region
 
 PAGE_BYTES = mmap.PAGESIZE
 _POPULATE = getattr(mmap, "MAP_POPULATE", 0)

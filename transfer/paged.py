@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from transfer.base import Read
+from kvdir.transfer.base import Read
 
 Offsets = npt.NDArray[np.int64]
 

@@ -56,7 +56,7 @@ from pyverbs.pyverbs_error import PyverbsError
 from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 from pyverbs.wr import SGE, SendWR
 
-from transfer.base import (
+from kvdir.transfer.base import (
     AccessDenied,
     Channel,
     PeerUnavailable,
@@ -67,12 +67,12 @@ from transfer.base import (
     check_destination,
     coalesce,
 )
-from transfer.memory import Registry, buffer_address
-from transfer.rdma_support import Exchange, RdmaErrors, RdmaOptions
+from kvdir.transfer.memory import Registry, buffer_address
+from kvdir.transfer.rdma_support import Exchange, RdmaErrors, RdmaOptions
 
 log = logging.getLogger("kvdir.transfer.rdma")
 
-WIRE_VERSION = "1"
+QP_INFO_VERSION = "1"
 SEND_WR_MAX = 256
 """Outstanding READ work requests per QP (the send queue's depth)."""
 POST_CHAIN_WR_MAX = 32
@@ -259,7 +259,7 @@ class RdmaTransport(Transport):
     def local_params(self, qp: QP, psn: int) -> dict[str, str]:
         p = self.port
         return {
-            "version": WIRE_VERSION,
+            "version": QP_INFO_VERSION,
             "qpn": str(qp.qp_num),
             "gid": p.gid,
             "lid": str(p.lid),
@@ -271,7 +271,7 @@ class RdmaTransport(Transport):
     def bring_up(self, qp: QP, local_psn: int, remote: dict[str, str]) -> None:
         """INIT -> RTR -> RTS against the peer's params."""
         p = self.port
-        if remote.get("version") != WIRE_VERSION:
+        if remote.get("version") != QP_INFO_VERSION:
             raise PeerUnavailable(f"rdma wire version {remote.get('version')!r} is not supported")
         try:
             qpn, psn, lid = int(remote["qpn"]), int(remote["psn"]), int(remote["lid"])
@@ -345,7 +345,7 @@ class RdmaTransport(Transport):
         p = self.port
         return {
             "transport": self.name,
-            "version": WIRE_VERSION,
+            "version": QP_INFO_VERSION,
             "device": p.device,
             "port": str(p.port),
             "gid": p.gid,

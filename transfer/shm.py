@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from transfer.base import (
+from kvdir.transfer.base import (
     AccessDenied,
     Channel,
     PeerUnavailable,
@@ -29,7 +29,7 @@ from transfer.base import (
     check_destination,
     coalesce,
 )
-from transfer.memory import Registry, SharedMemory, buffer_address, copy
+from kvdir.transfer.memory import Registry, SharedMemory, buffer_address, copy
 
 
 def host_identity() -> str:

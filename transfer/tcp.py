@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from transfer.base import (
+from kvdir.transfer.base import (
     AccessDenied,
     Channel,
     PeerUnavailable,
@@ -47,7 +47,7 @@ from transfer.base import (
     check_destination,
     coalesce,
 )
-from transfer.memory import Registry
+from kvdir.transfer.memory import Registry
 
 log = logging.getLogger("kvdir.transfer.tcp")
 

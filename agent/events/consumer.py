@@ -36,9 +36,9 @@ from dataclasses import dataclass
 import xxhash
 import zmq
 
-from agent.events.decode import END_SEQ, Batch, DecodeError, decode_batch, decode_seq
-from agent.events.holders import IndexHolders
-from agent.events.sequence import Sequencer, Step
+from kvdir.agent.events.decode import END_SEQ, Batch, DecodeError, decode_batch, decode_seq
+from kvdir.agent.events.holders import IndexHolders
+from kvdir.agent.events.sequence import Sequencer, Step
 
 log = logging.getLogger("kvdir.agent.events")
 

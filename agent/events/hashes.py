@@ -25,8 +25,8 @@ import struct
 from collections.abc import Sequence
 from enum import StrEnum
 
-from agent.events.decode import DecodeError, Hash
-from directory.limits import HASH_BYTES_MAX
+from kvdir.agent.events.decode import DecodeError, Hash
+from kvdir.core.wire import HASH_BYTES_MAX
 
 U64_MASK = (1 << 64) - 1
 

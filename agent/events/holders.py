@@ -28,11 +28,17 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from agent.events.decode import AllBlocksCleared, Batch, BlockRemoved, BlockStored, DecodeError
-from agent.events.hashes import HashFormat, keys
-from agent.publisher import Holding, NodeIdentity, Publisher, PublisherLimits
-from directory.client import DirectoryClient
-from proto.kvdir.v1 import directory_pb2 as pb
+from kvdir.agent.events.decode import (
+    AllBlocksCleared,
+    Batch,
+    BlockRemoved,
+    BlockStored,
+    DecodeError,
+)
+from kvdir.agent.events.hashes import HashFormat, keys
+from kvdir.agent.publisher import Holding, NodeIdentity, Publisher, PublisherLimits
+from kvdir.core.client import DirectoryClient
+from kvdir.v1 import directory_pb2 as pb
 
 log = logging.getLogger("kvdir.agent.events")
 

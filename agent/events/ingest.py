@@ -14,14 +14,14 @@ from dataclasses import dataclass
 
 import zmq
 
-from agent.config import EngineConfig
-from agent.events.consumer import RankConsumer, offset_endpoint
-from agent.events.decode import Batch, BlockStored
-from agent.events.hashes import HashFormat
-from agent.events.holders import IndexHolders
-from agent.events.selfcheck import SelfCheckError, check_event
-from agent.publisher import NodeIdentity, PublisherLimits
-from directory.client import DirectoryClient
+from kvdir.agent.config import EngineConfig
+from kvdir.agent.events.consumer import RankConsumer, offset_endpoint
+from kvdir.agent.events.decode import Batch, BlockStored
+from kvdir.agent.events.hashes import HashFormat
+from kvdir.agent.events.holders import IndexHolders
+from kvdir.agent.events.selfcheck import SelfCheckError, check_event
+from kvdir.agent.publisher import NodeIdentity, PublisherLimits
+from kvdir.core.client import DirectoryClient
 
 log = logging.getLogger("kvdir.agent.events")
 

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from agent.events.ingest import EngineIngest
+from kvdir.agent.events.ingest import EngineIngest
 
 _COUNTERS = (
     ("messages", "kvdir_agent_events_messages", "Event messages received"),

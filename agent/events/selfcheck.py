@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from agent.events.decode import BlockStored, DecodeError, Hash
-from agent.events.hashes import keys
-from directory.hashing import (
+from kvdir.agent.events.decode import BlockStored, DecodeError, Hash
+from kvdir.agent.events.hashes import keys
+from kvdir.core.hashing import (
     VLLM_ALGOS,
     VLLM_DEFAULT_SEED,
     HashSchemeError,

@@ -34,12 +34,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from agent.pool import HEADER_BYTES, KvPool, valid_prefix
 from bench.gpu.model import SHAPES, Engine, PagedKvCache
-from transfer.base import Read
-from transfer.cuda_ipc import CudaIpcChannel, GpuBuffer, bare_copy
-from transfer.engine import Descriptor, TransferEngine
-from transfer.paged import PagedLayout
+from kvdir.agent.pool import HEADER_BYTES, KvPool, valid_prefix
+from kvdir.transfer.base import Read
+from kvdir.transfer.cuda_ipc import CudaIpcChannel, GpuBuffer, bare_copy
+from kvdir.transfer.engine import Descriptor, TransferEngine
+from kvdir.transfer.paged import PagedLayout
 
 FETCH_TIMEOUT_S = 60.0
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from directory.client import namespace
-from directory.config import ConfigError
-from directory.hashing import (
+from kvdir.core.client import namespace
+from kvdir.core.config import ConfigError
+from kvdir.core.hashing import (
     HashSchemeError,
     block_chain,
     sglang_keys,
@@ -23,7 +23,7 @@ from directory.hashing import (
     vllm_none_hash,
 )
 from kvdir.gateway.config import ModelConfig
-from proto.kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2 as pb
 
 
 def chain_fn(m: ModelConfig) -> Callable[[Sequence[int]], list[bytes]]:

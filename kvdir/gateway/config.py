@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from directory.config import ConfigError, read_toml
-from directory.hashing import VLLM_ALGOS
-from directory.security import ClientSecurity, SecurityConfigError, read_secret
+from kvdir.core.config import ConfigError, read_toml
+from kvdir.core.hashing import VLLM_ALGOS
+from kvdir.core.security import ClientSecurity, SecurityConfigError, read_secret
 from kvdir.routing import SHAPES, Policy
 
 HASH_SCHEMES = ("vllm", "sglang", "kvdir")

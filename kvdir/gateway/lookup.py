@@ -24,14 +24,13 @@ from typing import Any
 
 import grpc
 
-from directory.client import lookup_request
-from directory.security import PLAIN, ClientSecurity
+from kvdir.core.client import lookup_request
+from kvdir.core.security import PLAIN, ClientSecurity
+from kvdir.core.wire import GRPC_MESSAGE_BYTES_MAX, namespace_key
 from kvdir.routing.directory_source import prompt_of
 from kvdir.routing.policy import Prompt
-from proto.kvdir.v1 import directory_pb2 as pb
-from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
-
-_MESSAGE_BYTES_MAX = 64 * 1024 * 1024
+from kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvdir.gateway")
 
@@ -76,8 +75,8 @@ class DirectoryLookups:
     def start(self) -> None:
         if self._addresses:
             opts = [
-                ("grpc.max_send_message_length", _MESSAGE_BYTES_MAX),
-                ("grpc.max_receive_message_length", _MESSAGE_BYTES_MAX),
+                ("grpc.max_send_message_length", GRPC_MESSAGE_BYTES_MAX),
+                ("grpc.max_receive_message_length", GRPC_MESSAGE_BYTES_MAX),
             ]
             self._channels = [self._security.aio_channel(a, opts) for a in self._addresses]
             self._stubs = [pb_grpc.PrefixDirectoryStub(c) for c in self._channels]
@@ -130,9 +129,9 @@ class DirectoryLookups:
     async def _lookup(self, batch: list[_Item]) -> list[Prompt]:
         """One LookupBatch per namespace in the batch (a batch is at most `batch_max`)."""
         out: list[Prompt | None] = [None] * len(batch)
-        by_ns: dict[bytes, list[int]] = {}
+        by_ns: dict[str, list[int]] = {}
         for i, (ns, _, _) in enumerate(batch):
-            by_ns.setdefault(ns.SerializeToString(deterministic=True), []).append(i)
+            by_ns.setdefault(namespace_key(ns), []).append(i)
         deadline = time.monotonic() + self._timeout_s
         for idx in by_ns.values():
             reqs = [lookup_request(batch[i][0], batch[i][1], omit_records=True) for i in idx]

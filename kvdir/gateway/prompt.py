@@ -23,7 +23,7 @@ from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from directory.config import ConfigError
+from kvdir.core.config import ConfigError
 from kvdir.gateway.config import ModelConfig
 from kvdir.gateway.errors import bad_request
 

@@ -34,8 +34,8 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from agent.pull_hint import HEADER as PULL_HEADER
-from agent.pull_hint import ROUTE_HEADER, PullHint
+from kvdir.agent.pull_hint import HEADER as PULL_HEADER
+from kvdir.agent.pull_hint import ROUTE_HEADER, PullHint
 from kvdir.gateway.backends import Backend, BackendPool
 from kvdir.gateway.chain import chain_fn, model_namespace
 from kvdir.gateway.config import GatewayConfig, ModelConfig, directory_security, host_port

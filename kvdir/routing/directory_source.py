@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from directory.client import DirectoryClient, lookup_request
-from directory.limits import RequestLimits
+from kvdir.core.client import DirectoryClient, lookup_request
+from kvdir.directory.limits import RequestLimits
 from kvdir.routing.policy import Holder, Prompt
-from proto.kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2 as pb
 
 
 def prompt_of(chain_blocks: int, resp: pb.LookupResponse) -> Prompt:

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from agent.engine_client import EngineClient
-from directory.client import DirectoryClient
+from kvdir.agent.engine_client import EngineClient
+from kvdir.core.client import DirectoryClient
 from kvdir.local import LocalAgent, LocalCluster
 from tests.agent.helpers import POOL_SPEC, launch_all, stop_all
 

@@ -14,9 +14,9 @@ import subprocess
 import urllib.request
 from collections.abc import Iterable, Sequence
 
-from agent.engine_client import EngineClient
-from directory.client import DirectoryClient, namespace
-from directory.hashing import block_chain
+from kvdir.agent.engine_client import EngineClient
+from kvdir.core.client import DirectoryClient, namespace
+from kvdir.core.hashing import block_chain
 from kvdir.local import ClusterError, LocalAgent, LocalCluster, wait_for
 
 BLOCK_TOKENS = 16

@@ -16,10 +16,13 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
-from directory.client import DirectoryClient, namespace
+from kvdir.core.client import DirectoryClient, namespace
 from kvdir.local import LocalCluster
-from proto.kvdir.v1 import agent_pb2 as apb
-from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
+from kvdir.transfer.base import AccessDenied, Read
+from kvdir.transfer.memory import PAGE_BYTES
+from kvdir.transfer.tcp import TcpChannel
+from kvdir.v1 import agent_pb2 as apb
+from kvdir.v1 import agent_pb2_grpc as apb_grpc
 from tests.agent.conftest import Trio
 from tests.agent.helpers import (
     NS,
@@ -30,9 +33,6 @@ from tests.agent.helpers import (
     store_chain,
     wait_prefix,
 )
-from transfer.base import AccessDenied, Read
-from transfer.memory import PAGE_BYTES
-from transfer.tcp import TcpChannel
 
 pytestmark = pytest.mark.integration
 

@@ -14,10 +14,11 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from directory.client import DirectoryClient
+from kvdir.core.client import DirectoryClient
+from kvdir.core.wire import namespace_key
 from kvdir.local import LocalCluster, wait_for
-from proto.kvdir.v1 import agent_pb2 as apb
-from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
+from kvdir.v1 import agent_pb2 as apb
+from kvdir.v1 import agent_pb2_grpc as apb_grpc
 from tests.agent.conftest import Trio
 from tests.agent.helpers import (
     NS,
@@ -62,7 +63,7 @@ def test_evicted_and_restored_in_the_same_slot_stays_published(
     chain = chain_of(700, 1)
     (s,), _ = store_chain(trio.a, chain, seed=700)
     wait_prefix(agent_cluster, directory, chain, "a", 1)
-    pool = trio.a.pools[NS.SerializeToString(deterministic=True)].pool
+    pool = trio.a.pools[namespace_key(NS)].pool
     old = pool.header(s).generation
     new = pool.evict(s)
     trio.a.slot_view(NS, s)[:] = b"\x11" * SLOT_BYTES
@@ -99,7 +100,7 @@ def test_a_block_moved_to_a_slot_with_a_lower_generation_stays_fetchable(
 ) -> None:
     chain = chain_of(710, 1)
     s1 = _churned_slot(trio, 3)
-    pool = trio.a.pools[NS.SerializeToString(deterministic=True)].pool
+    pool = trio.a.pools[namespace_key(NS)].pool
     g1 = pool.header(s1).generation
     assert g1 >= 2 * 3 + 1  # at least; slots earlier tests used start higher
     trio.a.slot_view(NS, s1)[:] = b"\x01" * SLOT_BYTES

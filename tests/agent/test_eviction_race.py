@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import AgentConfig, PoolConfig
-from agent.daemon import AgentDaemon
-from agent.engine_client import EngineClient
-from agent.pool import STORED
-from directory.client import DirectoryClient
+from kvdir.agent.config import AgentConfig, PoolConfig
+from kvdir.agent.daemon import AgentDaemon
+from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.pool import STORED
+from kvdir.core.client import DirectoryClient
+from kvdir.core.wire import namespace_key
 from kvdir.local import LOOPBACK, LocalCluster, free_ports, wait_for
 from tests.agent.conftest import Trio
 from tests.agent.helpers import (
@@ -144,7 +145,7 @@ def test_an_eviction_during_the_fetch_ends_the_valid_prefix(
     chain = chain_of(salt, BLOCKS)
     slots, payload = store_chain(trio.a, chain, seed=salt)
     wait_prefix(agent_cluster, directory, chain, "a", BLOCKS)
-    holder_pool = trio.a.pools[NS.SerializeToString(deterministic=True)].pool
+    holder_pool = trio.a.pools[namespace_key(NS)].pool
     victim = slots[j]
     published_gen = holder_pool.header(victim).generation
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from directory.client import DirectoryClient
+from kvdir.core.client import DirectoryClient
 from kvdir.local import LocalCluster
 from tests.agent.conftest import Trio
 from tests.agent.helpers import NS, SLOT_BYTES, chain_of, slot_bytes, store_chain, wait_prefix

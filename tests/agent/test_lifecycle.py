@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.engine_client import EngineClient
-from directory.client import DirectoryClient
+from kvdir.agent.engine_client import EngineClient
+from kvdir.core.client import DirectoryClient
 from kvdir.local import LocalAgent, LocalCluster, wait_for
 from tests.agent.conftest import Trio
 from tests.agent.helpers import (

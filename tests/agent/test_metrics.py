@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from directory.client import DirectoryClient
+from kvdir.core.client import DirectoryClient
+from kvdir.core.wire import namespace_key
 from kvdir.local import LocalCluster, wait_for
 from tests.agent.conftest import Trio
 from tests.agent.helpers import (
@@ -50,7 +51,7 @@ def test_fetch_and_validation_metrics_follow_the_traffic(
 
     # The holder's engine evicts block 1 without telling anyone yet (a dropped
     # notification): the directory still offers it, validation must refuse it.
-    pool = trio.a.pools[NS.SerializeToString(deterministic=True)].pool
+    pool = trio.a.pools[namespace_key(NS)].pool
     pool.evict(slots[1])
     dst = trio.b.allocate(NS, 4).slots
     r = trio.b.fetch(NS, chain, dst)

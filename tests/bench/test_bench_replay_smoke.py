@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdir.bench.replay.trace import synthesize, to_jsonl
+from kvdir.replay.trace import synthesize, to_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

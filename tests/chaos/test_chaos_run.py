@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdir.chaos import netns
-from kvdir.chaos.run import FAULT_KINDS
+from bench.chaos import netns
+from bench.chaos.run import FAULT_KINDS
 from tests.tools import needs
 
 pytestmark = pytest.mark.integration

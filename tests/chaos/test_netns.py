@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from kvdir.chaos import netns
+from bench.chaos import netns
 from tests.tools import needs
 
 pytestmark = pytest.mark.integration

@@ -35,10 +35,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from agent.engine_client import EngineClient
-from directory.client import DirectoryClient, DirectoryError, namespace
-from directory.hashing import block_chain
-from proto.kvdir.v1 import directory_pb2 as pb
+from kvdir.agent.engine_client import EngineClient
+from kvdir.core.client import DirectoryClient, DirectoryError, namespace
+from kvdir.core.hashing import block_chain
+from kvdir.v1 import directory_pb2 as pb
 
 T = TypeVar("T")
 

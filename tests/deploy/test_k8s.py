@@ -20,9 +20,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from agent import config as agent_config
-from directory.config import DirectoryConfig, Peer
+from kvdir.agent import config as agent_config
 from kvdir.cli import _serve_config, build_parser
+from kvdir.directory.config import DirectoryConfig, Peer
 
 K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
 K8S_VERSION = "1.37.0"

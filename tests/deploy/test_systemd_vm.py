@@ -160,8 +160,8 @@ def agent_config() -> dict[str, Any]:
 
 def test_configs_written_for_the_vm_load_with_the_daemons_loaders(tmp_path: Path) -> None:
     """What the VM gets is valid for the real loaders (so a failure there is the units')."""
-    from agent import config as agent_config_mod
-    from directory import config as directory_config_mod
+    from kvdir.agent import config as agent_config_mod
+    from kvdir.directory import config as directory_config_mod
 
     for r in guest.REPLICAS:
         p = tmp_path / f"directory-{r}.toml"

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from directory.client import DirectoryClient
+from kvdir.core.client import DirectoryClient
 from kvdir.local import LocalCluster
 
 

@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from directory.client import DirectoryClient
+from kvdir.core.client import DirectoryClient
 from kvdir.local import ClusterError, wait_for
-from proto.kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2 as pb
 
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 VLLM_VERSIONS = ("0.33.0", "0.23.0")

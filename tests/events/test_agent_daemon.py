@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.events.hashes import keys
-from directory.client import DirectoryClient, namespace
+from kvdir.agent.events.hashes import keys
+from kvdir.core.client import DirectoryClient, namespace
 from kvdir.local import LocalAgent, LocalCluster, wait_for
 from tests.agent.helpers import POOL_SPEC, scrape, stop_all
 from tests.events.helpers import (

@@ -26,9 +26,9 @@ import msgpack  # type: ignore[import-untyped]
 import pytest
 import zmq
 
-from agent.events.consumer import RankConsumer
-from agent.events.decode import Batch
-from agent.events.holders import Applied, IndexHolders
+from kvdir.agent.events.consumer import RankConsumer
+from kvdir.agent.events.decode import Batch
+from kvdir.agent.events.holders import Applied, IndexHolders
 from kvdir.local import wait_for
 
 pytestmark = pytest.mark.timeout(60)

@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from directory.hashing import sglang_page_digests
+from kvdir.core.hashing import sglang_page_digests
 from tests.events.test_sglang_real import sglang_home
 
 _PROBE = """

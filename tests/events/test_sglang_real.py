@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
-from agent.config import EngineConfig
-from agent.events.hashes import keys
-from agent.events.ingest import EngineIngest
-from agent.publisher import NodeIdentity, PublisherLimits
-from directory.client import DirectoryClient
+from kvdir.agent.config import EngineConfig
+from kvdir.agent.events.hashes import keys
+from kvdir.agent.events.ingest import EngineIngest
+from kvdir.agent.publisher import NodeIdentity, PublisherLimits
+from kvdir.core.client import DirectoryClient
 from kvdir.local import LOOPBACK, ClusterError, free_ports
 from tests.events.helpers import VllmEngine, tokens, vllm_home, wait_prefix, wait_subscribed
 

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import EngineConfig
-from agent.events.hashes import keys
-from agent.events.ingest import EngineIngest
-from agent.events.selfcheck import block_digests
-from agent.publisher import NodeIdentity, PublisherLimits
-from directory.client import DirectoryClient
+from kvdir.agent.config import EngineConfig
+from kvdir.agent.events.hashes import keys
+from kvdir.agent.events.ingest import EngineIngest
+from kvdir.agent.events.selfcheck import block_digests
+from kvdir.agent.publisher import NodeIdentity, PublisherLimits
+from kvdir.core.client import DirectoryClient
 from kvdir.local import LOOPBACK, free_ports, wait_for
 from tests.events.helpers import (
     VLLM_VERSIONS,

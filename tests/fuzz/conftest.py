@@ -1,4 +1,4 @@
-"""Fixtures of the fuzz tier: the real daemons of `kvdir fuzz` (kvdir/fuzz/harness.py)."""
+"""Fixtures of the fuzz tier: the real daemons of `kvdir fuzz` (bench/fuzz/harness.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvdir.fuzz.harness import Harness
+from bench.fuzz.harness import Harness
 
 CASES = int(os.environ.get("KVDIR_FUZZ_CASES", "25"))
 """Examples per target in CI (`kvdir fuzz --cases N` for long runs)."""

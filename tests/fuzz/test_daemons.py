@@ -1,6 +1,6 @@
 """Hostile input against real daemons: every case refused clearly, nothing lost.
 
-The harness (kvdir/fuzz/harness.py) checks after every target that all four
+The harness (bench/fuzz/harness.py) checks after every target that all four
 processes still serve and that the kept blocks are byte-for-byte as seeded on
 every replica and in the agent. A crash is an INTERNAL/UNKNOWN status (an
 unhandled exception), wrong bytes served, or a tcp read outside the grant.
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvdir.fuzz import run, targets
-from kvdir.fuzz.harness import Harness
-from kvdir.fuzz.targets import Tally
+from bench.fuzz import run, targets
+from bench.fuzz.harness import Harness
+from bench.fuzz.targets import Tally
 from tests.fuzz.conftest import CASES
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -6,8 +6,8 @@ import msgpack  # type: ignore[import-untyped]
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from agent.events.decode import Batch, DecodeError, decode_batch
-from kvdir.fuzz import events, targets
+from bench.fuzz import events, targets
+from kvdir.agent.events.decode import Batch, DecodeError, decode_batch
 
 EXAMPLES = 400
 

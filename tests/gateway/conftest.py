@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from directory.client import DirectoryClient
+from kvdir.core.client import DirectoryClient
 from kvdir.local import LocalCluster
 from tests.gateway.helpers import CHAT_TEMPLATE, Backends, train_tokenizer
 

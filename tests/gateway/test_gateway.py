@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from agent.events.hashes import keys
-from agent.events.selfcheck import first_block_hashes
-from agent.pull_hint import parse
-from directory.client import DirectoryClient
+from kvdir.agent.events.hashes import keys
+from kvdir.agent.events.selfcheck import first_block_hashes
+from kvdir.agent.pull_hint import parse
+from kvdir.core.client import DirectoryClient
 from kvdir.gateway.chain import model_namespace
 from kvdir.gateway.config import from_dict
 from kvdir.gateway.prompt import ModelPrompts

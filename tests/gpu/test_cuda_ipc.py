@@ -27,10 +27,10 @@ torch = pytest.importorskip("torch", reason="these tests allocate GPU memory thr
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU here", allow_module_level=True)
 
-from transfer.base import AccessDenied, Read  # noqa: E402
-from transfer.cuda_ipc import CudaIpcTransport, GpuBuffer  # noqa: E402
-from transfer.engine import Descriptor, TransferEngine  # noqa: E402
-from transfer.paged import PagedLayout, SegmentBatch  # noqa: E402
+from kvdir.transfer.base import AccessDenied, Read  # noqa: E402
+from kvdir.transfer.cuda_ipc import CudaIpcTransport, GpuBuffer  # noqa: E402
+from kvdir.transfer.engine import Descriptor, TransferEngine  # noqa: E402
+from kvdir.transfer.paged import PagedLayout, SegmentBatch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAYERS, BLOCKS, SEG = 4, 64, 32 << 10
@@ -45,9 +45,9 @@ READER = textwrap.dedent(
     """
     import json, sys, time
     import numpy as np, torch
-    from transfer.base import AccessDenied, Read
-    from transfer.engine import Descriptor, TransferEngine
-    from transfer.paged import PagedLayout
+    from kvdir.transfer.base import AccessDenied, Read
+    from kvdir.transfer.engine import Descriptor, TransferEngine
+    from kvdir.transfer.paged import PagedLayout
     P = 251
     spec = json.loads(sys.stdin.read())
     eng = TransferEngine(["cuda"])

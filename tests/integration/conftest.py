@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from directory.client import DirectoryClient
+from kvdir.core.client import DirectoryClient
 from kvdir.local import LocalCluster
 from tests.integration.helpers import wait_all_serving
 

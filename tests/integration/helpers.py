@@ -11,10 +11,10 @@ from contextlib import contextmanager
 
 import grpc
 
-from directory.client import DirectoryClient, namespace
+from kvdir.core.client import DirectoryClient, namespace
 from kvdir.local import LocalCluster, Replica, wait_for
-from proto.kvdir.v1 import directory_pb2 as pb
-from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
+from kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2_grpc as pb_grpc
 
 LONG_LEASE_MS = 600_000
 """Nodes of tests that are not about leases outlive the whole run."""

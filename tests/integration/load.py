@@ -16,9 +16,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from directory.client import DirectoryClient, DirectoryError, OutcomeUnknown, Unavailable, records
+from kvdir.core.client import DirectoryClient, DirectoryError, OutcomeUnknown, Unavailable, records
 from kvdir.local import Replica
-from proto.kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2 as pb
 from tests.integration.helpers import address_of, h, publish
 
 LOOKUP_BATCH = 256

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from directory import backup
+from kvdir.directory import backup
 from kvdir.local import LocalCluster, wait_for
 from tests.integration.helpers import live, ns, register, status, wait_all_serving
 from tests.integration.load import Load, kvdir, kvdir_ok, missing_on

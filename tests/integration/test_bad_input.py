@@ -11,11 +11,11 @@ import grpc
 import pytest
 from google.protobuf.message import Message
 
-from directory.client import DirectoryClient, DirectoryError
-from directory.limits import RequestLimits
+from kvdir.core.client import DirectoryClient, DirectoryError
+from kvdir.directory.limits import RequestLimits
 from kvdir.local import LocalCluster, Replica
-from proto.kvdir.v1 import directory_pb2 as pb
-from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
+from kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2_grpc as pb_grpc
 from tests.integration.helpers import (
     chain,
     followers,

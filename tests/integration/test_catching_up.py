@@ -17,13 +17,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from directory.client import DirectoryClient, Unavailable, namespace
-from directory.config import DirectoryConfig
-from directory.metrics import DirectoryMetrics
-from directory.server import DirectoryService, WallClock
-from directory.table import Table
+from kvdir.core.client import DirectoryClient, Unavailable, namespace
+from kvdir.directory.config import DirectoryConfig
+from kvdir.directory.metrics import DirectoryMetrics
+from kvdir.directory.server import DirectoryService, WallClock
+from kvdir.directory.table import Table
 from kvdir.local import free_ports
-from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
+from kvdir.v1 import directory_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.integration
 

@@ -8,9 +8,9 @@ import threading
 import grpc
 import pytest
 
-from directory.client import DirectoryClient, DirectoryError, records
+from kvdir.core.client import DirectoryClient, DirectoryError, records
 from kvdir.local import LocalCluster, wait_for
-from proto.kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2 as pb
 from tests.integration.helpers import (
     BLOCK_BYTES,
     RKEY,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from directory.client import (
+from kvdir.core.client import (
     DirectoryClient,
     DirectoryError,
     OutcomeUnknown,
@@ -19,7 +19,7 @@ from directory.client import (
     records,
 )
 from kvdir.local import LocalCluster, Replica, wait_for
-from proto.kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2 as pb
 from tests.integration.helpers import address_of, h, live, ns, publish, register, status
 
 pytestmark = pytest.mark.integration

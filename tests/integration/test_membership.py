@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from kvdir.local import LocalCluster, Replica, wait_for
-from proto.kvdir.v1 import directory_pb2 as pb
-from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
+from kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2_grpc as pb_grpc
 from tests.integration.helpers import live, ns, register, rpc_error, status, trailers
 from tests.integration.load import Load, kvdir, kvdir_ok, missing_on
 

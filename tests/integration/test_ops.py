@@ -18,9 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from directory.client import DirectoryClient
+from kvdir.core.client import DirectoryClient
 from kvdir.local import LocalCluster, Replica, free_ports, wait_for
-from proto.kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2 as pb
 from tests.integration.helpers import (
     chain,
     followers,

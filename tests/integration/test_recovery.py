@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from directory import backup
-from directory.client import DirectoryClient, Unavailable
-from directory.commands import Publish
+from kvdir.core.client import DirectoryClient, Unavailable
+from kvdir.directory import backup
+from kvdir.directory.commands import Publish
 from kvdir.local import LocalCluster, Replica, wait_for
 from tests.integration.helpers import (
     LONG_LEASE_MS,

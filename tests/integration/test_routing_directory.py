@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from directory.client import DirectoryClient
+from kvdir.core.client import DirectoryClient
 from kvdir.routing import Candidate, CostModel, Policy, Router, Rule
 from kvdir.routing.directory_source import DirectorySource
 from tests.integration.helpers import LONG_LEASE_MS, chain, ns, publish

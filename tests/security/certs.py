@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from directory.security import ClientSecurity
+from kvdir.core.security import ClientSecurity
 
 VALID_DAYS = 2
 

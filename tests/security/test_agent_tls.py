@@ -17,12 +17,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from agent.engine_client import EngineClient
-from directory.client import DirectoryClient
-from directory.security import ClientSecurity
+from kvdir.agent.engine_client import EngineClient
+from kvdir.core.client import DirectoryClient
+from kvdir.core.security import ClientSecurity
 from kvdir.local import LocalAgent, LocalCluster
-from proto.kvdir.v1 import agent_pb2 as apb
-from proto.kvdir.v1 import agent_pb2_grpc as apb_grpc
+from kvdir.v1 import agent_pb2 as apb
+from kvdir.v1 import agent_pb2_grpc as apb_grpc
 from tests.agent.helpers import (
     NS,
     POOL_SPEC,
@@ -176,9 +176,9 @@ def test_the_tcp_data_plane_is_tls_for_certified_peers_only(
     import socket
     import ssl
 
-    from agent.pool import Geometry
-    from kvdir.fuzz.targets import read_request
-    from transfer.tcp import _HEAD
+    from bench.fuzz.targets import read_request
+    from kvdir.agent.pool import Geometry
+    from kvdir.transfer.tcp import _HEAD
 
     HEAD_BYTES = _HEAD.size  # noqa: N806
 

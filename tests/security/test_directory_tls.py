@@ -17,11 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from directory.client import DirectoryClient, namespace
-from directory.security import ClientSecurity, may_act_for
+from kvdir.core.client import DirectoryClient, namespace
+from kvdir.core.security import ClientSecurity, may_act_for
 from kvdir.local import LocalCluster
-from proto.kvdir.v1 import directory_pb2 as pb
-from proto.kvdir.v1 import directory_pb2_grpc as pb_grpc
+from kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2_grpc as pb_grpc
 from tests.integration.helpers import rpc_error
 from tests.security.conftest import Pki
 

@@ -81,7 +81,7 @@ def test_gateway_without_directory_credentials_degrades(
 
 
 def test_a_certificate_without_its_ca_is_a_config_error(pki: Pki) -> None:
-    from directory.config import ConfigError
+    from kvdir.core.config import ConfigError
 
     with pytest.raises(ConfigError, match="directory_"):
         from_dict(

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from directory.client import DirectoryClient, DirectoryError, namespace
+from kvdir.core.client import DirectoryClient, DirectoryError, namespace
 from kvdir.local import LocalCluster, Replica, wait_for
-from proto.kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2 as pb
 from tests.security.conftest import Pki, directory_flags
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

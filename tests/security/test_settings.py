@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import from_dict as agent_from_dict
-from directory.config import ConfigError, from_dict
-from directory.security import ClientSecurity, SecurityConfigError, may_act_for, read_tokens
+from kvdir.agent.config import from_dict as agent_from_dict
+from kvdir.core.config import ConfigError
+from kvdir.core.security import ClientSecurity, SecurityConfigError, may_act_for, read_tokens
+from kvdir.directory.config import from_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 BASE = {"replica_id": "r1", "raft_address": "127.0.0.1:1", "grpc_address": "127.0.0.1:2"}

@@ -33,8 +33,8 @@ from pathlib import Path
 
 import pytest
 
-from directory import codec, snapshot
-from directory.commands import (
+from kvdir.directory import codec, snapshot
+from kvdir.directory.commands import (
     Barrier,
     ClearNode,
     Command,
@@ -51,8 +51,8 @@ from directory.commands import (
     Result,
     Tier,
 )
-from directory.limits import EXPIRE_NODES_PER_COMMAND_MAX
-from directory.table import Table
+from kvdir.directory.limits import EXPIRE_NODES_PER_COMMAND_MAX
+from kvdir.directory.table import Table
 
 DEFAULT_SEEDS = 20
 LOG_LENGTH = 400

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from directory import snapshot
-from directory.commands import Publish, Published, Registered, RegisterNode, Result, Tier
-from directory.table import Table
+from kvdir.directory import snapshot
+from kvdir.directory.commands import Publish, Published, Registered, RegisterNode, Result, Tier
+from kvdir.directory.table import Table
 
 NS = "model\x1fbf16\x1f16\x1fnhd\x1f0/1"
 """A namespace key shaped like the ones `validate.namespace_key` builds."""

@@ -10,9 +10,9 @@ from pysyncobj import pickle as pysyncobj_pickle
 from pysyncobj.journal import createJournal
 from pysyncobj.node import TCPNode
 
-from directory import backup, codec, snapshot
-from directory.admin import quorum_ok
-from directory.membership import (
+from kvdir.directory import backup, codec, snapshot
+from kvdir.directory.admin import quorum_ok
+from kvdir.directory.membership import (
     DataDirBusy,
     MembershipError,
     hello,
@@ -22,7 +22,7 @@ from directory.membership import (
     resolve_cluster_id,
     split_hello,
 )
-from directory.table import Table
+from kvdir.directory.table import Table
 from tests.unit.helpers import chain, must_publish, must_register, publish_cmd, view
 
 MEMBERS = ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"]

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from kvdir.chaos import checker, history
-from kvdir.chaos.history import Event, Fault, History, Op, Outcome
+from bench.chaos import checker, history
+from bench.chaos.history import Event, Fault, History, Op, Outcome
 
 INF = math.inf
 

@@ -8,9 +8,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from directory import codec
-from directory.codec import MAGIC, VERSION, CodecError, decode, encode
-from directory.commands import (
+from kvdir.core.wire import HASH_BYTES_MAX
+from kvdir.directory import codec
+from kvdir.directory.codec import MAGIC, VERSION, CodecError, decode, encode
+from kvdir.directory.commands import (
     Barrier,
     ClearNode,
     Command,
@@ -20,7 +21,6 @@ from directory.commands import (
     RegisterNode,
     Remove,
 )
-from directory.limits import HASH_BYTES_MAX
 
 U32 = 2**32 - 1
 U64 = 2**64 - 1

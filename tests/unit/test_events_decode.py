@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.events.decode import (
+from kvdir.agent.events.decode import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -18,9 +18,9 @@ from agent.events.decode import (
     decode_batch,
     decode_seq,
 )
-from agent.events.hashes import HashFormat, int64_of_digest, key, keys, u64_of_digest
-from agent.events.selfcheck import block_digests, check_event, first_block_hashes
-from agent.events.sequence import Sequencer, Step
+from kvdir.agent.events.hashes import HashFormat, int64_of_digest, key, keys, u64_of_digest
+from kvdir.agent.events.selfcheck import block_digests, check_event, first_block_hashes
+from kvdir.agent.events.sequence import Sequencer, Step
 
 BIG = (1 << 64) - 5  # a uint64 >= 2^63
 

@@ -10,11 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agent.events.hashes import int64_of_digest, key, keys
-from agent.events.selfcheck import first_block_hashes
-from agent.pull_hint import HintError, PullHint, parse
-from directory.config import ConfigError
-from directory.hashing import HashSchemeError, block_chain, sglang_keys, sglang_page_digests
+from kvdir.agent.events.hashes import int64_of_digest, key, keys
+from kvdir.agent.events.selfcheck import first_block_hashes
+from kvdir.agent.pull_hint import HintError, PullHint, parse
+from kvdir.core.config import ConfigError
+from kvdir.core.hashing import HashSchemeError, block_chain, sglang_keys, sglang_page_digests
 from kvdir.gateway.chain import chain_fn
 from kvdir.gateway.config import ModelConfig, from_dict
 from kvdir.gateway.errors import RequestError

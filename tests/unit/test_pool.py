@@ -23,11 +23,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.fetcher import Fetcher, FetchError, Peer, PeerCache
-from agent.pool import (
+from kvdir.agent.fetcher import Fetcher, FetchError, Peer, PeerCache
+from kvdir.agent.pool import (
     ALLOCATED,
     FREE,
-    HASH_BYTES_MAX,
     HEADER_BYTES,
     STORED,
     Geometry,
@@ -36,11 +35,12 @@ from agent.pool import (
     SlotHeader,
     read_header,
 )
-from directory.client import DirectoryClient, namespace
-from proto.kvdir.v1 import agent_pb2 as apb
-from proto.kvdir.v1 import directory_pb2 as pb
-from transfer.engine import TransferEngine
-from transfer.memory import PAGE_BYTES, SharedMemory
+from kvdir.core.client import DirectoryClient, namespace
+from kvdir.core.wire import HASH_BYTES_MAX, namespace_key
+from kvdir.transfer.engine import TransferEngine
+from kvdir.transfer.memory import PAGE_BYTES, SharedMemory
+from kvdir.v1 import agent_pb2 as apb
+from kvdir.v1 import directory_pb2 as pb
 
 SLOT_BYTES = 4096
 SLOTS = 16
@@ -454,7 +454,7 @@ def pair(tmp_path: Path) -> Iterator[_Pair]:
     )
     peers = PeerCache(r_engine, "reader")
     endpoint = "holder-endpoint"
-    ns_hex = NS.SerializeToString(deterministic=True).hex()
+    ns_hex = namespace_key(NS)
     peers.peers[("holder", endpoint)] = Peer("holder", 1, True, {ns_hex: info}, "shm", channel)
     directory = _DirectoryDouble("holder", endpoint)
     fetcher = Fetcher("reader", cast("DirectoryClient", directory), peers, random.Random(3))

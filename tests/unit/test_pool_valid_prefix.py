@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.pool import ALLOCATED, FREE, HEADER_BYTES, STORED, read_header, valid_prefix
+from kvdir.agent.pool import ALLOCATED, FREE, HEADER_BYTES, STORED, read_header, valid_prefix
 
 _HDR = struct.Struct("<QBB6x32s16x")
 

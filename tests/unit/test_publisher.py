@@ -19,10 +19,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.publisher import Holding, NodeIdentity, Publisher, PublisherLimits
-from directory.client import DirectoryClient, DirectoryError, Unavailable, namespace
+from kvdir.agent.publisher import Holding, NodeIdentity, Publisher, PublisherLimits
+from kvdir.core.client import DirectoryClient, DirectoryError, Unavailable, namespace
 from kvdir.local import wait_for
-from proto.kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2 as pb
 
 NS = namespace("pub-model", 16)
 NS2 = namespace("pub-model-2", 16)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from agent.metrics import AgentMetrics
-from transfer.rdma_support import ERROR_KINDS, ERROR_STATUSES_MAX, RdmaErrors
+from kvdir.agent.metrics import AgentMetrics
+from kvdir.transfer.rdma_support import ERROR_KINDS, ERROR_STATUSES_MAX, RdmaErrors
 
 
 def test_every_kind_is_exported_from_the_start() -> None:

@@ -7,10 +7,10 @@ from typing import Any, cast
 import grpc
 import pytest
 
-from agent import rdma_link
-from proto.kvdir.v1 import agent_pb2 as apb
-from transfer.base import PeerUnavailable
-from transfer.engine import TransferEngine
+from kvdir.agent import rdma_link
+from kvdir.transfer.base import PeerUnavailable
+from kvdir.transfer.engine import TransferEngine
+from kvdir.v1 import agent_pb2 as apb
 
 
 class Aborted(Exception):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvdir.bench.replay.cache import NodeCache
+from kvdir.replay.cache import NodeCache
 
 
 def test_prefix_counts_leading_cached_blocks() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvdir.bench.replay.gpu import GpuModel, ModelError
+from kvdir.replay.gpu import GpuModel, ModelError
 
 
 def test_prefill_goes_through_the_h200_points() -> None:

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvdir.bench.replay import results
-from kvdir.bench.replay.gpu import GpuModel
-from kvdir.bench.replay.progress import Progress
-from kvdir.bench.replay.sim import SCENARIOS, Node, Setup, ideal, model_replay
-from kvdir.bench.replay.trace import Request, recover_turns, reusable_blocks, synthesize
+from kvdir.replay import results
+from kvdir.replay.gpu import GpuModel
+from kvdir.replay.progress import Progress
+from kvdir.replay.sim import SCENARIOS, Node, Setup, ideal, model_replay
+from kvdir.replay.trace import Request, recover_turns, reusable_blocks, synthesize
 
 G70 = GpuModel.of("llama-70b", 512, 32)
 

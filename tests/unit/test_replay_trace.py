@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdir.bench.replay.trace import (
+from kvdir.replay.trace import (
     Request,
     TraceError,
     compress,

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import cast
 
-from directory.client import DirectoryClient, namespace
+from kvdir.core.client import DirectoryClient, namespace
 from kvdir.routing import Holder
 from kvdir.routing.directory_source import DirectorySource
-from proto.kvdir.v1 import directory_pb2 as pb
+from kvdir.v1 import directory_pb2 as pb
 
 
 class FakeClient:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from directory.commands import (
+from kvdir.directory.commands import (
     Barrier,
     ClearNode,
     Command,
@@ -25,8 +25,8 @@ from directory.commands import (
     Renewed,
     Tier,
 )
-from directory.limits import HOLDERS_PER_BLOCK_MAX
-from directory.table import Table
+from kvdir.directory.limits import HOLDERS_PER_BLOCK_MAX
+from kvdir.directory.table import Table
 
 from .helpers import (
     NS,

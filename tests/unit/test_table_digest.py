@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from directory.commands import ExpireNodes, Remove, Tier
-from directory.table import Table
+from kvdir.directory.commands import ExpireNodes, Remove, Tier
+from kvdir.directory.table import Table
 
 from .helpers import NS, chain, must_publish, must_register, restored
 

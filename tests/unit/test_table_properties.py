@@ -26,9 +26,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from directory import snapshot
-from directory import table as table_mod
-from directory.commands import (
+from kvdir.directory import snapshot
+from kvdir.directory import table as table_mod
+from kvdir.directory.commands import (
     Barrier,
     ClearNode,
     Command,
@@ -47,8 +47,8 @@ from directory.commands import (
     Renewed,
     Result,
 )
-from directory.limits import HOLDERS_PER_BLOCK_MAX
-from directory.table import Table
+from kvdir.directory.limits import HOLDERS_PER_BLOCK_MAX
+from kvdir.directory.table import Table
 
 from .helpers import View, view
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from transfer.base import Read, Region, check_destination, coalesce
+from kvdir.transfer.base import Read, Region, check_destination, coalesce
 
 Pair = tuple[int, int, int]
 """(rkey, remote byte address, local byte offset) of one byte a read moves."""

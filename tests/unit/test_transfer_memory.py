@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer.base import AccessDenied
-from transfer.memory import PAGE_BYTES, Registry, SharedMemory, buffer_address
+from kvdir.transfer.base import AccessDenied
+from kvdir.transfer.memory import PAGE_BYTES, Registry, SharedMemory, buffer_address
 
 SIZE = 4096
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer.base import PeerUnavailable, Read
-from transfer.cuda_ipc import CudaIpcChannel
-from transfer.paged import PagedLayout, SegmentBatch
+from kvdir.transfer.base import PeerUnavailable, Read
+from kvdir.transfer.cuda_ipc import CudaIpcChannel
+from kvdir.transfer.paged import PagedLayout, SegmentBatch
 
 
 def _apply(batch: SegmentBatch, src: np.ndarray, src_base: int, dst: np.ndarray) -> None:
@@ -125,7 +125,7 @@ def test_engine_without_cupy_says_what_is_missing() -> None:
         pass
     else:
         pytest.skip("CuPy is installed here: the missing-CuPy message cannot be seen")
-    from transfer.engine import TransferEngine
+    from kvdir.transfer.engine import TransferEngine
 
     with pytest.raises(ValueError, match="CuPy"):
         TransferEngine(["cuda"])

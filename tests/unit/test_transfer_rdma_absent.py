@@ -6,15 +6,15 @@ import sys
 
 import pytest
 
-from agent.config import from_dict
-from transfer.engine import TransferEngine
-from transfer.rdma_support import capabilities
+from kvdir.agent.config import from_dict
+from kvdir.transfer.engine import TransferEngine
+from kvdir.transfer.rdma_support import capabilities
 
 
 @pytest.fixture
 def no_pyverbs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pyverbs", None)  # import pyverbs -> ImportError
-    for name in [m for m in sys.modules if m.startswith("pyverbs.") or m == "transfer.rdma"]:
+    for name in [m for m in sys.modules if m.startswith("pyverbs.") or m == "kvdir.transfer.rdma"]:
         monkeypatch.delitem(sys.modules, name)
 
 
@@ -25,7 +25,7 @@ def test_engine_with_rdma_names_pyverbs(no_pyverbs: None) -> None:
 
 def test_engine_without_rdma_never_imports_pyverbs(no_pyverbs: None) -> None:
     TransferEngine([]).close()
-    assert "transfer.rdma" not in sys.modules
+    assert "kvdir.transfer.rdma" not in sys.modules
 
 
 def test_capability_report_says_why(no_pyverbs: None) -> None:

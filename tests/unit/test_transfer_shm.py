@@ -17,10 +17,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transfer.base import AccessDenied, PeerUnavailable, Read, Region
-from transfer.engine import Descriptor, TransferEngine
-from transfer.memory import PAGE_BYTES, SharedMemory
-from transfer.shm import ShmChannel, ShmTransport, host_identity
+from kvdir.transfer.base import AccessDenied, PeerUnavailable, Read, Region
+from kvdir.transfer.engine import Descriptor, TransferEngine
+from kvdir.transfer.memory import PAGE_BYTES, SharedMemory
+from kvdir.transfer.shm import ShmChannel, ShmTransport, host_identity
 
 SIZE = 16 * PAGE_BYTES
 

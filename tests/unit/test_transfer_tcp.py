@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer import tcp
-from transfer.base import Read
+from kvdir.transfer import tcp
+from kvdir.transfer.base import Read
 
 Pair = tuple[int, int, int]
 

@@ -19,7 +19,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
-from proto.kvdir.v1 import directory_pb2 as _directory_pb2
+from kvdir.v1 import directory_pb2 as _directory_pb2
 import builtins as _builtins
 import sys
 import typing as _typing

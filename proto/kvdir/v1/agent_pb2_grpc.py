@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.kvdir.v1 import agent_pb2 as proto_dot_kvdir_dot_v1_dot_agent__pb2
+from kvdir.v1 import agent_pb2 as kvdir_dot_v1_dot_agent__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/kvdir/v1/agent_pb2_grpc.py depends on'
+        + ' but the generated code in kvdir/v1/agent_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,18 +36,18 @@ class AgentStub:
         """
         self.Handshake = channel.unary_unary(
                 '/kvdir.v1.Agent/Handshake',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.HandshakeRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.HandshakeResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_agent__pb2.HandshakeRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_agent__pb2.HandshakeResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/kvdir.v1.Agent/Health',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.AgentHealthRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.AgentHealthResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_agent__pb2.AgentHealthRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_agent__pb2.AgentHealthResponse.FromString,
                 _registered_method=True)
         self.ConnectRdma = channel.unary_unary(
                 '/kvdir.v1.Agent/ConnectRdma',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.ConnectRdmaRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.ConnectRdmaResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_agent__pb2.ConnectRdmaRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_agent__pb2.ConnectRdmaResponse.FromString,
                 _registered_method=True)
 
 
@@ -77,18 +77,18 @@ def add_AgentServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Handshake': grpc.unary_unary_rpc_method_handler(
                     servicer.Handshake,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.HandshakeRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.HandshakeResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_agent__pb2.HandshakeRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_agent__pb2.HandshakeResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.AgentHealthRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.AgentHealthResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_agent__pb2.AgentHealthRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_agent__pb2.AgentHealthResponse.SerializeToString,
             ),
             'ConnectRdma': grpc.unary_unary_rpc_method_handler(
                     servicer.ConnectRdma,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.ConnectRdmaRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.ConnectRdmaResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_agent__pb2.ConnectRdmaRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_agent__pb2.ConnectRdmaResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -116,8 +116,8 @@ class Agent:
             request,
             target,
             '/kvdir.v1.Agent/Handshake',
-            proto_dot_kvdir_dot_v1_dot_agent__pb2.HandshakeRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_agent__pb2.HandshakeResponse.FromString,
+            kvdir_dot_v1_dot_agent__pb2.HandshakeRequest.SerializeToString,
+            kvdir_dot_v1_dot_agent__pb2.HandshakeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -143,8 +143,8 @@ class Agent:
             request,
             target,
             '/kvdir.v1.Agent/Health',
-            proto_dot_kvdir_dot_v1_dot_agent__pb2.AgentHealthRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_agent__pb2.AgentHealthResponse.FromString,
+            kvdir_dot_v1_dot_agent__pb2.AgentHealthRequest.SerializeToString,
+            kvdir_dot_v1_dot_agent__pb2.AgentHealthResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -170,8 +170,8 @@ class Agent:
             request,
             target,
             '/kvdir.v1.Agent/ConnectRdma',
-            proto_dot_kvdir_dot_v1_dot_agent__pb2.ConnectRdmaRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_agent__pb2.ConnectRdmaResponse.FromString,
+            kvdir_dot_v1_dot_agent__pb2.ConnectRdmaRequest.SerializeToString,
+            kvdir_dot_v1_dot_agent__pb2.ConnectRdmaResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -194,33 +194,33 @@ class EngineStub:
         """
         self.Attach = channel.unary_unary(
                 '/kvdir.v1.Engine/Attach',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.AttachRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.AttachResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_agent__pb2.AttachRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_agent__pb2.AttachResponse.FromString,
                 _registered_method=True)
         self.Allocate = channel.unary_unary(
                 '/kvdir.v1.Engine/Allocate',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.AllocateRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.AllocateResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_agent__pb2.AllocateRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_agent__pb2.AllocateResponse.FromString,
                 _registered_method=True)
         self.Free = channel.unary_unary(
                 '/kvdir.v1.Engine/Free',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.FreeRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.FreeResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_agent__pb2.FreeRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_agent__pb2.FreeResponse.FromString,
                 _registered_method=True)
         self.Notify = channel.unary_unary(
                 '/kvdir.v1.Engine/Notify',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.NotifyRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.NotifyResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_agent__pb2.NotifyRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_agent__pb2.NotifyResponse.FromString,
                 _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/kvdir.v1.Engine/Lookup',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.EngineLookupRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.EngineLookupResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_agent__pb2.EngineLookupRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_agent__pb2.EngineLookupResponse.FromString,
                 _registered_method=True)
         self.Fetch = channel.unary_unary(
                 '/kvdir.v1.Engine/Fetch',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.FetchRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.FetchResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_agent__pb2.FetchRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_agent__pb2.FetchResponse.FromString,
                 _registered_method=True)
 
 
@@ -268,33 +268,33 @@ def add_EngineServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Attach': grpc.unary_unary_rpc_method_handler(
                     servicer.Attach,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.AttachRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.AttachResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_agent__pb2.AttachRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_agent__pb2.AttachResponse.SerializeToString,
             ),
             'Allocate': grpc.unary_unary_rpc_method_handler(
                     servicer.Allocate,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.AllocateRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.AllocateResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_agent__pb2.AllocateRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_agent__pb2.AllocateResponse.SerializeToString,
             ),
             'Free': grpc.unary_unary_rpc_method_handler(
                     servicer.Free,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.FreeRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.FreeResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_agent__pb2.FreeRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_agent__pb2.FreeResponse.SerializeToString,
             ),
             'Notify': grpc.unary_unary_rpc_method_handler(
                     servicer.Notify,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.NotifyRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.NotifyResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_agent__pb2.NotifyRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_agent__pb2.NotifyResponse.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.EngineLookupRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.EngineLookupResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_agent__pb2.EngineLookupRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_agent__pb2.EngineLookupResponse.SerializeToString,
             ),
             'Fetch': grpc.unary_unary_rpc_method_handler(
                     servicer.Fetch,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.FetchRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_agent__pb2.FetchResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_agent__pb2.FetchRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_agent__pb2.FetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -322,8 +322,8 @@ class Engine:
             request,
             target,
             '/kvdir.v1.Engine/Attach',
-            proto_dot_kvdir_dot_v1_dot_agent__pb2.AttachRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_agent__pb2.AttachResponse.FromString,
+            kvdir_dot_v1_dot_agent__pb2.AttachRequest.SerializeToString,
+            kvdir_dot_v1_dot_agent__pb2.AttachResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -349,8 +349,8 @@ class Engine:
             request,
             target,
             '/kvdir.v1.Engine/Allocate',
-            proto_dot_kvdir_dot_v1_dot_agent__pb2.AllocateRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_agent__pb2.AllocateResponse.FromString,
+            kvdir_dot_v1_dot_agent__pb2.AllocateRequest.SerializeToString,
+            kvdir_dot_v1_dot_agent__pb2.AllocateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -376,8 +376,8 @@ class Engine:
             request,
             target,
             '/kvdir.v1.Engine/Free',
-            proto_dot_kvdir_dot_v1_dot_agent__pb2.FreeRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_agent__pb2.FreeResponse.FromString,
+            kvdir_dot_v1_dot_agent__pb2.FreeRequest.SerializeToString,
+            kvdir_dot_v1_dot_agent__pb2.FreeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -403,8 +403,8 @@ class Engine:
             request,
             target,
             '/kvdir.v1.Engine/Notify',
-            proto_dot_kvdir_dot_v1_dot_agent__pb2.NotifyRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_agent__pb2.NotifyResponse.FromString,
+            kvdir_dot_v1_dot_agent__pb2.NotifyRequest.SerializeToString,
+            kvdir_dot_v1_dot_agent__pb2.NotifyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -430,8 +430,8 @@ class Engine:
             request,
             target,
             '/kvdir.v1.Engine/Lookup',
-            proto_dot_kvdir_dot_v1_dot_agent__pb2.EngineLookupRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_agent__pb2.EngineLookupResponse.FromString,
+            kvdir_dot_v1_dot_agent__pb2.EngineLookupRequest.SerializeToString,
+            kvdir_dot_v1_dot_agent__pb2.EngineLookupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -457,8 +457,8 @@ class Engine:
             request,
             target,
             '/kvdir.v1.Engine/Fetch',
-            proto_dot_kvdir_dot_v1_dot_agent__pb2.FetchRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_agent__pb2.FetchResponse.FromString,
+            kvdir_dot_v1_dot_agent__pb2.FetchRequest.SerializeToString,
+            kvdir_dot_v1_dot_agent__pb2.FetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

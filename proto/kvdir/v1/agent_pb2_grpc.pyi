@@ -17,7 +17,7 @@ enqueues them and ships them in batches.
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from proto.kvdir.v1 import agent_pb2 as _agent_pb2
+from kvdir.v1 import agent_pb2 as _agent_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from proto.kvdir.v1 import directory_pb2 as proto_dot_kvdir_dot_v1_dot_directory__pb2
+from kvdir.v1 import directory_pb2 as kvdir_dot_v1_dot_directory__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in proto/kvdir/v1/directory_pb2_grpc.py depends on'
+        + ' but the generated code in kvdir/v1/directory_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,48 +36,48 @@ class PrefixDirectoryStub:
         """
         self.Publish = channel.unary_unary(
                 '/kvdir.v1.PrefixDirectory/Publish',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.PublishRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.PublishResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_directory__pb2.PublishRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_directory__pb2.PublishResponse.FromString,
                 _registered_method=True)
         self.Remove = channel.unary_unary(
                 '/kvdir.v1.PrefixDirectory/Remove',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.RemoveRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.RemoveResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_directory__pb2.RemoveRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_directory__pb2.RemoveResponse.FromString,
                 _registered_method=True)
         self.Lookup = channel.unary_unary(
                 '/kvdir.v1.PrefixDirectory/Lookup',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.LookupRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.LookupResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_directory__pb2.LookupRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_directory__pb2.LookupResponse.FromString,
                 _registered_method=True)
         self.LookupBatch = channel.unary_unary(
                 '/kvdir.v1.PrefixDirectory/LookupBatch',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.LookupBatchRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.LookupBatchResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_directory__pb2.LookupBatchRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_directory__pb2.LookupBatchResponse.FromString,
                 _registered_method=True)
         self.RegisterNode = channel.unary_unary(
                 '/kvdir.v1.PrefixDirectory/RegisterNode',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.RegisterNodeRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.RegisterNodeResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_directory__pb2.RegisterNodeRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_directory__pb2.RegisterNodeResponse.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/kvdir.v1.PrefixDirectory/Heartbeat',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.HeartbeatRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.HeartbeatResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_directory__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_directory__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
         self.ClearNode = channel.unary_unary(
                 '/kvdir.v1.PrefixDirectory/ClearNode',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.ClearNodeRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.ClearNodeResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_directory__pb2.ClearNodeRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_directory__pb2.ClearNodeResponse.FromString,
                 _registered_method=True)
         self.ListNodes = channel.unary_unary(
                 '/kvdir.v1.PrefixDirectory/ListNodes',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.ListNodesRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.ListNodesResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_directory__pb2.ListNodesRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_directory__pb2.ListNodesResponse.FromString,
                 _registered_method=True)
         self.ClusterStatus = channel.unary_unary(
                 '/kvdir.v1.PrefixDirectory/ClusterStatus',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.ClusterStatusRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.ClusterStatusResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_directory__pb2.ClusterStatusRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_directory__pb2.ClusterStatusResponse.FromString,
                 _registered_method=True)
 
 
@@ -143,48 +143,48 @@ def add_PrefixDirectoryServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Publish': grpc.unary_unary_rpc_method_handler(
                     servicer.Publish,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.PublishRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.PublishResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_directory__pb2.PublishRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_directory__pb2.PublishResponse.SerializeToString,
             ),
             'Remove': grpc.unary_unary_rpc_method_handler(
                     servicer.Remove,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.RemoveRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.RemoveResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_directory__pb2.RemoveRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_directory__pb2.RemoveResponse.SerializeToString,
             ),
             'Lookup': grpc.unary_unary_rpc_method_handler(
                     servicer.Lookup,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.LookupRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.LookupResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_directory__pb2.LookupRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_directory__pb2.LookupResponse.SerializeToString,
             ),
             'LookupBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.LookupBatch,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.LookupBatchRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.LookupBatchResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_directory__pb2.LookupBatchRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_directory__pb2.LookupBatchResponse.SerializeToString,
             ),
             'RegisterNode': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterNode,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.RegisterNodeRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.RegisterNodeResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_directory__pb2.RegisterNodeRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_directory__pb2.RegisterNodeResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.HeartbeatRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.HeartbeatResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_directory__pb2.HeartbeatRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_directory__pb2.HeartbeatResponse.SerializeToString,
             ),
             'ClearNode': grpc.unary_unary_rpc_method_handler(
                     servicer.ClearNode,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.ClearNodeRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.ClearNodeResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_directory__pb2.ClearNodeRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_directory__pb2.ClearNodeResponse.SerializeToString,
             ),
             'ListNodes': grpc.unary_unary_rpc_method_handler(
                     servicer.ListNodes,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.ListNodesRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.ListNodesResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_directory__pb2.ListNodesRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_directory__pb2.ListNodesResponse.SerializeToString,
             ),
             'ClusterStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.ClusterStatus,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.ClusterStatusRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.ClusterStatusResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_directory__pb2.ClusterStatusRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_directory__pb2.ClusterStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -212,8 +212,8 @@ class PrefixDirectory:
             request,
             target,
             '/kvdir.v1.PrefixDirectory/Publish',
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.PublishRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.PublishResponse.FromString,
+            kvdir_dot_v1_dot_directory__pb2.PublishRequest.SerializeToString,
+            kvdir_dot_v1_dot_directory__pb2.PublishResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -239,8 +239,8 @@ class PrefixDirectory:
             request,
             target,
             '/kvdir.v1.PrefixDirectory/Remove',
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.RemoveRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.RemoveResponse.FromString,
+            kvdir_dot_v1_dot_directory__pb2.RemoveRequest.SerializeToString,
+            kvdir_dot_v1_dot_directory__pb2.RemoveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -266,8 +266,8 @@ class PrefixDirectory:
             request,
             target,
             '/kvdir.v1.PrefixDirectory/Lookup',
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.LookupRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.LookupResponse.FromString,
+            kvdir_dot_v1_dot_directory__pb2.LookupRequest.SerializeToString,
+            kvdir_dot_v1_dot_directory__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -293,8 +293,8 @@ class PrefixDirectory:
             request,
             target,
             '/kvdir.v1.PrefixDirectory/LookupBatch',
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.LookupBatchRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.LookupBatchResponse.FromString,
+            kvdir_dot_v1_dot_directory__pb2.LookupBatchRequest.SerializeToString,
+            kvdir_dot_v1_dot_directory__pb2.LookupBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -320,8 +320,8 @@ class PrefixDirectory:
             request,
             target,
             '/kvdir.v1.PrefixDirectory/RegisterNode',
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.RegisterNodeRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.RegisterNodeResponse.FromString,
+            kvdir_dot_v1_dot_directory__pb2.RegisterNodeRequest.SerializeToString,
+            kvdir_dot_v1_dot_directory__pb2.RegisterNodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -347,8 +347,8 @@ class PrefixDirectory:
             request,
             target,
             '/kvdir.v1.PrefixDirectory/Heartbeat',
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.HeartbeatRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.HeartbeatResponse.FromString,
+            kvdir_dot_v1_dot_directory__pb2.HeartbeatRequest.SerializeToString,
+            kvdir_dot_v1_dot_directory__pb2.HeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -374,8 +374,8 @@ class PrefixDirectory:
             request,
             target,
             '/kvdir.v1.PrefixDirectory/ClearNode',
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.ClearNodeRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.ClearNodeResponse.FromString,
+            kvdir_dot_v1_dot_directory__pb2.ClearNodeRequest.SerializeToString,
+            kvdir_dot_v1_dot_directory__pb2.ClearNodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -401,8 +401,8 @@ class PrefixDirectory:
             request,
             target,
             '/kvdir.v1.PrefixDirectory/ListNodes',
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.ListNodesRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.ListNodesResponse.FromString,
+            kvdir_dot_v1_dot_directory__pb2.ListNodesRequest.SerializeToString,
+            kvdir_dot_v1_dot_directory__pb2.ListNodesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -428,8 +428,8 @@ class PrefixDirectory:
             request,
             target,
             '/kvdir.v1.PrefixDirectory/ClusterStatus',
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.ClusterStatusRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.ClusterStatusResponse.FromString,
+            kvdir_dot_v1_dot_directory__pb2.ClusterStatusRequest.SerializeToString,
+            kvdir_dot_v1_dot_directory__pb2.ClusterStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -452,18 +452,18 @@ class DirectoryAdminStub:
         """
         self.AddReplica = channel.unary_unary(
                 '/kvdir.v1.DirectoryAdmin/AddReplica',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.AddReplicaRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.MembershipResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_directory__pb2.AddReplicaRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_directory__pb2.MembershipResponse.FromString,
                 _registered_method=True)
         self.RemoveReplica = channel.unary_unary(
                 '/kvdir.v1.DirectoryAdmin/RemoveReplica',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.RemoveReplicaRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.MembershipResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_directory__pb2.RemoveReplicaRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_directory__pb2.MembershipResponse.FromString,
                 _registered_method=True)
         self.Backup = channel.unary_stream(
                 '/kvdir.v1.DirectoryAdmin/Backup',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.BackupRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.BackupChunk.FromString,
+                request_serializer=kvdir_dot_v1_dot_directory__pb2.BackupRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_directory__pb2.BackupChunk.FromString,
                 _registered_method=True)
 
 
@@ -493,18 +493,18 @@ def add_DirectoryAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'AddReplica': grpc.unary_unary_rpc_method_handler(
                     servicer.AddReplica,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.AddReplicaRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.MembershipResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_directory__pb2.AddReplicaRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_directory__pb2.MembershipResponse.SerializeToString,
             ),
             'RemoveReplica': grpc.unary_unary_rpc_method_handler(
                     servicer.RemoveReplica,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.RemoveReplicaRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.MembershipResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_directory__pb2.RemoveReplicaRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_directory__pb2.MembershipResponse.SerializeToString,
             ),
             'Backup': grpc.unary_stream_rpc_method_handler(
                     servicer.Backup,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.BackupRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.BackupChunk.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_directory__pb2.BackupRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_directory__pb2.BackupChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -532,8 +532,8 @@ class DirectoryAdmin:
             request,
             target,
             '/kvdir.v1.DirectoryAdmin/AddReplica',
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.AddReplicaRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.MembershipResponse.FromString,
+            kvdir_dot_v1_dot_directory__pb2.AddReplicaRequest.SerializeToString,
+            kvdir_dot_v1_dot_directory__pb2.MembershipResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -559,8 +559,8 @@ class DirectoryAdmin:
             request,
             target,
             '/kvdir.v1.DirectoryAdmin/RemoveReplica',
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.RemoveReplicaRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.MembershipResponse.FromString,
+            kvdir_dot_v1_dot_directory__pb2.RemoveReplicaRequest.SerializeToString,
+            kvdir_dot_v1_dot_directory__pb2.MembershipResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -586,8 +586,8 @@ class DirectoryAdmin:
             request,
             target,
             '/kvdir.v1.DirectoryAdmin/Backup',
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.BackupRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.BackupChunk.FromString,
+            kvdir_dot_v1_dot_directory__pb2.BackupRequest.SerializeToString,
+            kvdir_dot_v1_dot_directory__pb2.BackupChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -610,8 +610,8 @@ class EchoStub:
         """
         self.Echo = channel.unary_unary(
                 '/kvdir.v1.Echo/Echo',
-                request_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.EchoRequest.SerializeToString,
-                response_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.EchoResponse.FromString,
+                request_serializer=kvdir_dot_v1_dot_directory__pb2.EchoRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_directory__pb2.EchoResponse.FromString,
                 _registered_method=True)
 
 
@@ -629,8 +629,8 @@ def add_EchoServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Echo': grpc.unary_unary_rpc_method_handler(
                     servicer.Echo,
-                    request_deserializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.EchoRequest.FromString,
-                    response_serializer=proto_dot_kvdir_dot_v1_dot_directory__pb2.EchoResponse.SerializeToString,
+                    request_deserializer=kvdir_dot_v1_dot_directory__pb2.EchoRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_directory__pb2.EchoResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -658,8 +658,8 @@ class Echo:
             request,
             target,
             '/kvdir.v1.Echo/Echo',
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.EchoRequest.SerializeToString,
-            proto_dot_kvdir_dot_v1_dot_directory__pb2.EchoResponse.FromString,
+            kvdir_dot_v1_dot_directory__pb2.EchoRequest.SerializeToString,
+            kvdir_dot_v1_dot_directory__pb2.EchoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -20,7 +20,7 @@ Wire conventions (see docs/directory.md for the full contract):
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from proto.kvdir.v1 import directory_pb2 as _directory_pb2
+from kvdir.v1 import directory_pb2 as _directory_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

@@ -13,7 +13,7 @@ import mmap
 import random
 import sys
 
-from transfer.rdma import RdmaTransport
+from kvdir.transfer.rdma import RdmaTransport
 
 
 def pattern(size: int, seed: int) -> bytes:

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from agent.config import AgentConfig, PoolConfig
-from agent.daemon import AgentDaemon
-from agent.engine_client import EngineClient
-from directory.client import DirectoryClient
+from kvdir.agent.config import AgentConfig, PoolConfig
+from kvdir.agent.daemon import AgentDaemon
+from kvdir.agent.engine_client import EngineClient
+from kvdir.core.client import DirectoryClient
 from kvdir.local import LOOPBACK, LocalAgent, LocalCluster, free_ports
 from tests.agent.helpers import (
     BLOCK_TOKENS,

@@ -20,10 +20,10 @@ import pytest
 import pyverbs.enums as e
 from pyverbs.wr import SGE, SendWR
 
+from kvdir.transfer.base import AccessDenied, PeerUnavailable, Read, Region
+from kvdir.transfer.rdma import SEND_WR_MAX, RdmaChannel, RdmaTransport
+from kvdir.transfer.rdma_support import capabilities
 from tests.rdma.guest.holder_proc import pattern
-from transfer.base import AccessDenied, PeerUnavailable, Read, Region
-from transfer.rdma import SEND_WR_MAX, RdmaChannel, RdmaTransport
-from transfer.rdma_support import capabilities
 
 MIB = 1 << 20
 HOLDER_BYTES = 24 * MIB

@@ -1,0 +1,54 @@
+"""What crosses a process boundary, defined once: versions, message bounds, field
+sizes, and the namespace key.
+
+The namespace key is the one spelling of "which KV a block belongs to" that
+every process agrees on: the directory's table, the agent's pools and peers,
+the gateway and the engine connectors all key by it. It is built from the
+namespace's fields with a fixed separator, never from serialized protobuf
+bytes (protobuf promises no stable serialization across versions or
+languages).
+"""
+
+from __future__ import annotations
+
+from kvdir.v1 import directory_pb2 as pb
+
+AGENT_WIRE_VERSION = 1
+"""The agents' peer protocol (Handshake, Fetch, ConnectRdma): peers refuse another."""
+
+GRPC_MESSAGE_BYTES_MAX = 64 * 1024 * 1024
+"""Largest gRPC message any kvdir server or client sends or accepts."""
+
+HASH_BYTES_MAX = 32
+"""Engines hash blocks to u64 (8 bytes) or to 32-byte digests."""
+
+NODE_ID_BYTES_MAX = 128
+HOST_BYTES_MAX = 256
+ENDPOINT_BYTES_MAX = 256
+TRANSPORTS_MAX = 8
+TRANSPORT_NAME_BYTES_MAX = 32
+NAMESPACE_FIELD_BYTES_MAX = 256
+
+_SEP = "\x1f"  # ASCII unit separator: refused inside fields, so keys never collide
+
+
+class BadNamespace(ValueError):
+    """A namespace that cannot name KV: a required field missing or out of bounds."""
+
+
+def namespace_key(ns: pb.Namespace) -> str:
+    """The canonical string of a namespace: model, dtype, block size, layout, TP shard."""
+    if not ns.model:
+        raise BadNamespace("namespace.model is required")
+    if ns.block_tokens == 0:
+        raise BadNamespace("namespace.block_tokens must be > 0")
+    for name in ("model", "dtype", "layout"):
+        value = getattr(ns, name)
+        if len(value.encode()) > NAMESPACE_FIELD_BYTES_MAX:
+            raise BadNamespace(f"namespace.{name} is longer than {NAMESPACE_FIELD_BYTES_MAX} bytes")
+        if _SEP in value:
+            raise BadNamespace(f"namespace.{name} contains a control character")
+    if ns.tp_size and ns.tp_rank >= ns.tp_size:
+        raise BadNamespace("namespace.tp_rank must be < tp_size")
+    fields = (ns.model, ns.dtype, str(ns.block_tokens), ns.layout, f"{ns.tp_rank}/{ns.tp_size}")
+    return _SEP.join(fields)
