@@ -34,6 +34,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from bench import measure
 from kvdir import report
 
 TARGET_ADDED_P99_MS = 2.0
@@ -112,16 +113,12 @@ async def _load(url: str, bodies: list[bytes], rate: float, seconds: float) -> l
     return lat
 
 
+GATEWAY_STATS = (measure.P50, measure.P90, measure.P99, measure.P999, measure.MAX)
+
+
 def _stats(xs: list[float]) -> dict[str, float]:
-    s = sorted(xs)
-    return {
-        "n": len(s),
-        "p50_ms": report.percentile(s, 50) * 1e3,
-        "p90_ms": report.percentile(s, 90) * 1e3,
-        "p99_ms": report.percentile(s, 99) * 1e3,
-        "p999_ms": report.percentile(s, 99.9) * 1e3,
-        "max_ms": s[-1] * 1e3,
-    }
+    """Latencies in seconds, reported in ms (n, p50, p90, p99, p99.9, max)."""
+    return measure.ms_stats_from_s(xs, GATEWAY_STATS)
 
 
 def _metric(port: int, name: str) -> float:

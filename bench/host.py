@@ -1,0 +1,130 @@
+"""What the host says about itself (Linux /proc and /sys): CPU seconds, memory, load.
+
+Every reader returns a neutral value (NaN, 0, [] or "unknown") where the file
+is missing, so a benchmark on an unusual host still writes its report.
+`CpuMonitor` turns the readings into "how much of the machine did something
+else take during this phase" for hosts shared with other work.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Callable
+
+_TICK = os.sysconf("SC_CLK_TCK")
+CPU_SAMPLE_S = 0.5
+"""How often `CpuMonitor` samples (it only needs to see every process before it exits)."""
+
+
+def proc_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (NaN: gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return math.nan
+    return (int(fields[11]) + int(fields[12])) / _TICK
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far."""
+    with open("/proc/stat") as f:
+        vals = [int(v) for v in f.readline().split()[1:]]
+    total = sum(vals[:8])
+    idle = vals[3] + vals[4]
+    return (total - idle) / _TICK, total / _TICK
+
+
+def busy_share(c0: tuple[float, float], c1: tuple[float, float]) -> float:
+    """The machine's busy share between two `machine_cpu()` readings."""
+    total = c1[1] - c0[1]
+    return (c1[0] - c0[0]) / total if total > 0 else math.nan
+
+
+def _status_kib(path: str, field: str) -> int:
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(field):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def rss_bytes(pid: int) -> int:
+    """VmRSS of process `pid` (0: gone)."""
+    return _status_kib(f"/proc/{pid}/status", "VmRSS:")
+
+
+def mem_available_bytes() -> int:
+    return _status_kib("/proc/meminfo", "MemAvailable:")
+
+
+def load_average() -> list[float]:
+    """1, 5 and 15-minute load averages ([] where the host does not say)."""
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return []
+
+
+def read_text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown"
+
+
+class CpuMonitor(threading.Thread):
+    """Samples machine CPU and this benchmark's own processes every `CPU_SAMPLE_S`.
+
+    The host may be shared: `foreign` is machine busy time not spent in the
+    benchmark's processes (`pids()`), so a phase can say how much of the
+    machine something else took.
+    """
+
+    def __init__(self, pids: Callable[[], list[int]], max_s: float) -> None:
+        super().__init__(name="bench-cpu-monitor", daemon=True)
+        self.pids, self.max_s = pids, max_s
+        self.lock = threading.Lock()
+        self.busy = self.total = self.own = 0.0
+        self._last: dict[int, float] = {}
+        self._machine = machine_cpu()
+        self.stop_ev = threading.Event()
+        self.sample()
+
+    def sample(self) -> None:
+        m = machine_cpu()
+        own = 0.0
+        for pid in self.pids():
+            now = proc_cpu_s(pid)
+            if math.isnan(now):
+                continue
+            own += max(0.0, now - self._last.get(pid, now))
+            self._last[pid] = now
+        with self.lock:
+            self.busy += m[0] - self._machine[0]
+            self.total += m[1] - self._machine[1]
+            self.own += own
+            self._machine = m
+
+    def run(self) -> None:
+        rounds = int(self.max_s / CPU_SAMPLE_S) + 1
+        for _ in range(rounds):
+            if self.stop_ev.wait(CPU_SAMPLE_S):
+                return
+            self.sample()
+
+    def totals(self) -> tuple[float, float, float]:
+        """(machine busy, machine total, own) CPU seconds since the monitor started."""
+        self.sample()
+        with self.lock:
+            return self.busy, self.total, self.own
+
+    def finish(self) -> None:
+        self.stop_ev.set()
+        self.join(timeout=5)
