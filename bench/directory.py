@@ -50,7 +50,7 @@ from bench.workers import CallResult, CallTask, WorkerPool, channel, raw_method
 from kvdir import report
 from kvdir.core.client import DirectoryClient, DirectoryError, lookup_request
 from kvdir.core.wire import GRPC_MESSAGE_BYTES_MAX
-from kvdir.directory.raft import RaftTuning
+from kvdir.directory.consensus.tuning import RaftTuning
 from kvdir.local import LocalCluster, Replica
 from kvdir.report import Target, at_least, at_most, fmt
 from kvdir.v1 import directory_pb2 as pb
