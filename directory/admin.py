@@ -1,8 +1,8 @@
 """kvdir.v1.DirectoryAdmin: membership changes and backups, for operators.
 
-Membership changes are pysyncobj's (a log entry that takes effect on every
+Membership changes are Raft's (a log entry that takes effect on every
 member as it is appended). The leader proposes them, one at a time; this
-service adds the checks pysyncobj leaves to the caller:
+service adds the checks the consensus port leaves to the caller:
 
 - only on the leader (FAILED_PRECONDITION naming the leader elsewhere);
 - the address is well formed (INVALID_ARGUMENT), a new member is not one
@@ -12,7 +12,7 @@ service adds the checks pysyncobj leaves to the caller:
   member while others are down can leave too few (FAILED_PRECONDITION).
   A single-member cluster may still add one: growing 1 -> 2 always pauses
   writes until the new member has caught up;
-- the leader does not remove itself (pysyncobj refuses); it hands leadership
+- the leader does not remove itself (Raft refuses); it hands leadership
   to a caught-up follower instead and says to retry there.
 """
 
@@ -25,14 +25,12 @@ from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 import grpc
-from pysyncobj import FAIL_REASON
-from pysyncobj.node import TCPNode
 
 from kvdir.core.security import authorize_admin
 from kvdir.directory import backup
 from kvdir.directory.config import DirectoryConfig
-from kvdir.directory.membership import MembershipError, parse_raft_address
-from kvdir.directory.raft import DirectoryReplica, Outcome
+from kvdir.directory.consensus.membership import MembershipError, parse_raft_address
+from kvdir.directory.consensus.port import Consensus, Done, Member, Outcome, WriteResult
 from kvdir.v1 import directory_pb2 as pb
 from kvdir.v1 import directory_pb2_grpc as pb_grpc
 
@@ -52,13 +50,13 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
     def __init__(
         self,
         cfg: DirectoryConfig,
-        replica: DirectoryReplica,
+        consensus: Consensus,
         leader_grpc: Callable[[], str],
         label: Callable[[str], tuple[str, str]],
         cluster_id: str,
     ) -> None:
         self.cfg = cfg
-        self.replica = replica
+        self.consensus = consensus
         self.leader_grpc = leader_grpc
         self.label = label
         self.cluster_id = cluster_id
@@ -80,7 +78,7 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
             self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
     def _require_leader(self, context: grpc.ServicerContext) -> None:
-        if not self.replica._isLeader():
+        if not self.consensus.is_leader():
             hint = self.leader_grpc()
             where = f"the leader is at {hint}" if hint else "no leader is known right now"
             self._abort(
@@ -89,37 +87,39 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
                 f"membership changes run on the leader; {where}",
             )
 
+    def _self_address(self) -> str:
+        return next(m.address for m in self.consensus.members() if m.is_self)
+
     def _reachable(self, members: list[str]) -> int:
         """Members this leader is connected to, itself included."""
-        r = self.replica
-        connected = {str(n.address) for n in r.otherNodes if r.isNodeConnected(n)}
+        connected = {m.address for m in self.consensus.members() if m.connected and not m.is_self}
         return 1 + sum(1 for m in members if m in connected)
 
     def _response(self) -> pb.MembershipResponse:
-        r = self.replica
-        resp = pb.MembershipResponse(applied_index=r.raftLastApplied)
-        for addr, connected, is_self in r.members():
-            rid, grpc_addr = self.label(addr)
+        c = self.consensus
+        resp = pb.MembershipResponse(applied_index=c.status().applied_index)
+        for m in c.members():
+            rid, grpc_addr = self.label(m.address)
             resp.members.add(
                 replica_id=rid,
-                raft_address=addr,
+                raft_address=m.address,
                 grpc_address=grpc_addr,
-                connected=connected,
-                is_self=is_self,
+                connected=m.connected,
+                is_self=m.is_self,
             )
         return resp
 
     def _change(
         self,
-        propose: Callable[[Callable[[object, int], None]], None],
+        propose: Callable[[Done], None],
         what: str,
         context: grpc.ServicerContext,
     ) -> pb.MembershipResponse:
         done = threading.Event()
-        box: list[int] = []
+        box: list[WriteResult] = []
 
-        def on_done(_result: object, error: int) -> None:
-            box.append(error)
+        def on_done(res: WriteResult) -> None:
+            box.append(res)
             done.set()
 
         propose(on_done)
@@ -131,24 +131,24 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"{what}: not committed within {wait_s:.1f}s; check `kvdir ctl status`",
             )
-        error = box[0]
-        if error == FAIL_REASON.SUCCESS:
+        res = box[0]
+        if res.outcome is Outcome.COMMITTED:
             log.info("membership changed", extra={"change": what})
             return self._response()
-        if error == FAIL_REASON.REQUEST_DENIED:
+        if res.refused:
             self._abort(
                 context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"{what}: refused by raft (a previous membership change or the new "
                 "leader's first entry is not committed yet); retry in a moment",
             )
-        if error in (FAIL_REASON.LEADER_CHANGED, FAIL_REASON.UNKNOWN_OUTCOME):
+        if res.outcome is Outcome.UNKNOWN:
             context.set_trailing_metadata((("kvdir-outcome", "unknown"),))
             context.abort(
                 grpc.StatusCode.ABORTED,
                 f"{what}: outcome unknown (leader changed); check `kvdir ctl status`",
             )
-        self._abort(context, grpc.StatusCode.UNAVAILABLE, f"{what}: not applied (raft {error})")
+        self._abort(context, grpc.StatusCode.UNAVAILABLE, f"{what}: not applied ({res.reason})")
 
     # ------------------------------------------------------------ membership
 
@@ -157,21 +157,17 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
     ) -> pb.MembershipResponse:
         authorize_admin(context, self.cfg.auth.admins, "add replicas")
         addr = self._address(request.raft_address, context)
-        labels: dict[str, str] = {}
-        if request.grpc_address:
-            labels["kvdir_grpc"] = self._address(request.grpc_address, context)
-        if request.replica_id:
-            if not _REPLICA_ID_RE.match(request.replica_id):
-                self._abort(
-                    context,
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"replica id {request.replica_id!r} must be 1-64 of [A-Za-z0-9_.-]",
-                )
-            labels["kvdir_id"] = request.replica_id
-        node = TCPNode(addr, **labels)
+        grpc_addr = self._address(request.grpc_address, context) if request.grpc_address else ""
+        if request.replica_id and not _REPLICA_ID_RE.match(request.replica_id):
+            self._abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"replica id {request.replica_id!r} must be 1-64 of [A-Za-z0-9_.-]",
+            )
+        member = Member(addr, False, False, request.replica_id, grpc_addr)
         self._require_leader(context)
         with self._change_lock:
-            members = self.replica.member_addresses()
+            members = self.consensus.member_addresses()
             if addr in members:
                 self._abort(context, grpc.StatusCode.ALREADY_EXISTS, f"{addr} is already a member")
             # The new member counts toward the quorum at once but is not caught up yet.
@@ -184,7 +180,7 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
                     f"{len(members)} members are reachable; bring members back first",
                 )
             return self._change(
-                lambda cb: self.replica.addNodeToCluster(node, callback=cb),
+                lambda cb: self.consensus.add_member(member, cb),
                 f"add {addr}",
                 context,
             )
@@ -196,15 +192,15 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
         addr = self._address(request.raft_address, context)
         self._require_leader(context)
         with self._change_lock:
-            members = self.replica.member_addresses()
+            members = self.consensus.member_addresses()
             if addr not in members:
                 self._abort(
                     context,
                     grpc.StatusCode.NOT_FOUND,
                     f"{addr} is not a member (members: {', '.join(members)})",
                 )
-            if addr == str(self.replica.selfNode.address):
-                self.replica.transferLeadership()
+            if addr == self._self_address():
+                self.consensus.transfer_leadership()
                 self._abort(
                     context,
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -220,7 +216,7 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
                     f"{len(rest)} remaining members are reachable",
                 )
             return self._change(
-                lambda cb: self.replica.removeNodeFromCluster(addr, callback=cb),
+                lambda cb: self.consensus.remove_member(addr, cb),
                 f"remove {addr}",
                 context,
             )
@@ -235,7 +231,7 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "a backup is already running here")
         try:
             if not request.skip_barrier:
-                res = self.replica.barrier(CAPTURE_TIMEOUT_S)
+                res = self.consensus.barrier(CAPTURE_TIMEOUT_S)
                 if res.outcome is not Outcome.COMMITTED:
                     self._abort(
                         context,
@@ -244,9 +240,10 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
                         "back up with --skip-barrier or use `kvdir directory recover`",
                     )
             try:
-                image, index, term, members = self.replica.capture_applied(CAPTURE_TIMEOUT_S)
+                cap = self.consensus.capture(CAPTURE_TIMEOUT_S)
             except TimeoutError as e:
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+            image, index, term, members = cap.image, cap.index, cap.term, cap.members
             # Staged in the data dir: writable wherever the replica runs, and on disk.
             body = backup.snapshot_bytes(image, members, index, self.cfg.data_dir)
             header = backup.make_header(

@@ -23,31 +23,30 @@ includes), ``entries``, the Raft ``members`` then, the body's size and its
 
 from __future__ import annotations
 
-import codecs
 import hashlib
-import io
 import json
 import os
-import pickle
-import shutil
 import struct
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
-from kvdir.directory import codec, snapshot
-from kvdir.directory.commands import Command
-from kvdir.directory.membership import lock_data_dir, parse_raft_address, write_cluster_id
+from kvdir.directory import consensus, snapshot
+from kvdir.directory.consensus.membership import (
+    lock_data_dir,
+    parse_raft_address,
+    read_cluster_id,
+    write_cluster_id,
+)
+from kvdir.directory.consensus.port import LogError
 from kvdir.directory.table import Table
 
 MAGIC = b"KVDBACK\x00"
 FORMAT_VERSION = 1
 CHUNK_BYTES = 1 << 20
 HEADER_BYTES_MAX = 1 << 20
-NO_OP = b"\x01"  # pysyncobj's _COMMAND_TYPE.NO_OP entry
-_REGULAR, _MEMBERSHIP = 0, 2  # pysyncobj's _COMMAND_TYPE
 ANCHOR_TERM = 1
 """Term of a restored cluster's first entries: its first election is term 1."""
 
@@ -93,9 +92,8 @@ def snapshot_bytes(
 
 
 def anchors(index: int) -> list[snapshot.RaftEntry]:
-    """pysyncobj's (last, previous) entries for a snapshot at `index`."""
-    index = max(index, 2)
-    return [(NO_OP, index, ANCHOR_TERM), (NO_OP, index - 1, ANCHOR_TERM)]
+    """The Raft log anchors of a restored snapshot at `index` (term ANCHOR_TERM)."""
+    return consensus.anchors(index, ANCHOR_TERM)
 
 
 def make_header(
@@ -207,7 +205,7 @@ def table_of(body: bytes) -> Table:
 # --------------------------------------------------------------- restore
 
 
-_DATA_FILES = ("snapshot.bin", "journal.bin", "journal.bin.meta")
+_DATA_FILES = consensus.DATA_FILES
 
 
 def _has_data(data_dir: str) -> list[str]:
@@ -262,33 +260,6 @@ def _restore_locked(
 # -------------------------------------------------------------- recovery
 
 
-class _NoGlobals(pickle.Unpickler):
-    """pysyncobj wraps our command bytes in a pickle of (id, (blob,)); nothing else is allowed.
-
-    Its pickles use protocol 2, which spells a bytes object as a call of
-    ``_codecs.encode`` (a pure function); any other global is refused.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("_codecs", "encode"):
-            return codecs.encode
-        raise BackupError(f"journal entry names {module}.{name}: not a kvdir command")
-
-
-def command_of(entry: bytes) -> Command | None:
-    """The kvdir command a pysyncobj log entry carries, or None for Raft's own entries."""
-    if not entry or entry[0] != _REGULAR:
-        return None
-    try:
-        payload = _NoGlobals(io.BytesIO(entry[1:])).load()
-    except (pickle.UnpicklingError, EOFError, ValueError) as e:
-        raise BackupError(f"journal entry is not a pysyncobj command: {e}") from e
-    args: Any = payload[1] if isinstance(payload, tuple) and len(payload) >= 2 else ()
-    if not isinstance(args, tuple) or len(args) != 1 or not isinstance(args[0], bytes):
-        raise BackupError("journal entry does not carry one kvdir command")
-    return codec.decode(args[0])
-
-
 @dataclass(frozen=True, slots=True)
 class Recovered:
     table: Table
@@ -299,35 +270,6 @@ class Recovered:
     """Log entries after the snapshot that were applied (kvdir commands and Raft no-ops)."""
     commit_index: int
     """The survivor's commit index when it stopped; entries past it were replayed too."""
-
-
-def _journal_entries(data_dir: str) -> tuple[list[tuple[bytes, int, int]], int]:
-    """(entries, commit index) of `data_dir`'s journal, read from a copy (never the original)."""
-    from pysyncobj.journal import createJournal
-
-    src = os.path.join(data_dir, "journal.bin")
-    if not os.path.exists(src):
-        return [], 0
-    with tempfile.TemporaryDirectory(prefix="kvdir-recover-") as d:
-        copy = os.path.join(d, "journal.bin")
-        shutil.copyfile(src, copy)
-        journal = createJournal(copy)
-        try:
-            entries = [tuple(journal[i]) for i in range(len(journal))]
-        finally:
-            journal._destroy()
-    return [(bytes(c), int(i), int(t)) for c, i, t in entries], _commit_index(src + ".meta")
-
-
-def _commit_index(meta_path: str) -> int:
-    """The commit index pysyncobj last saved (about once a second); 0 when unknown."""
-    try:
-        with open(meta_path, "rb") as f:
-            meta = _NoGlobals(f).load()
-    except (OSError, pickle.UnpicklingError, EOFError, ValueError, BackupError):
-        return 0
-    value = meta.get("raftCommitIndex", 0) if isinstance(meta, dict) else 0
-    return value if isinstance(value, int) else 0
 
 
 def recover_state(data_dir: str) -> Recovered:
@@ -342,19 +284,21 @@ def recover_state(data_dir: str) -> Recovered:
     else:
         table, index, term = Table(), 0, 0
     snapshot_index = index
-    entries, commit = _journal_entries(data_dir)
+    try:
+        entries, commit = consensus.read_log(data_dir)
+    except LogError as e:
+        raise BackupError(str(e)) from e
     if not entries and not os.path.exists(snap):
         raise BackupError(f"{data_dir} holds no snapshot.bin and no journal.bin")
     replayed = 0
-    for cmd_bytes, idx, t in entries:
-        if idx <= index:
+    for entry in entries:
+        if entry.index <= index:
             continue
-        if idx != index + 1:
-            raise BackupError(f"journal skips from index {index} to {idx}")
-        cmd = command_of(cmd_bytes)
-        if cmd is not None:
-            table.apply(cmd)
-        index, term = idx, t
+        if entry.index != index + 1:
+            raise BackupError(f"journal skips from index {index} to {entry.index}")
+        if entry.command is not None:
+            table.apply(entry.command)
+        index, term = entry.index, entry.term
         replayed += 1
     return Recovered(table, index, term, snapshot_index, replayed, commit)
 
@@ -366,8 +310,6 @@ def recover(
     members = sorted({parse_raft_address(m) for m in new_members})
     if not members:
         raise BackupError("give --new-members RAFT_HOST:PORT,...")
-    from kvdir.directory.membership import read_cluster_id
-
     state = recover_state(data_dir)
     # A new term space starts at ANCHOR_TERM; the index moves on past everything replayed.
     body = snapshot_bytes(snapshot.capture(state.table), members, state.index + 1)

@@ -16,7 +16,7 @@ Example (deploy/config/directory.toml has a commented one)::
     [limits]          # directory.limits.RequestLimits fields
     chain_blocks_max = 4096
 
-    [raft]            # directory.raft.RaftTuning fields
+    [raft]            # directory.consensus.tuning.RaftTuning fields
     election_min_s = 0.15
 
     [tls]             # directory.security.TlsConfig (docs/security.md)
@@ -38,8 +38,8 @@ from typing import Any
 
 from kvdir.core.config import ConfigError, read_toml, section, security_sections
 from kvdir.core.security import AuthConfig, TlsConfig
+from kvdir.directory.consensus.tuning import RaftTuning
 from kvdir.directory.limits import BATCH_ENTRIES_CEILING, LEASE_MS_DEFAULT, RequestLimits
-from kvdir.directory.raft import RaftTuning
 
 _CLUSTER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -76,7 +76,7 @@ class DirectoryConfig:
     auth: AuthConfig = field(default_factory=AuthConfig)
     raft_bind_address: str = ""
     """Where the Raft port listens ("" = raft_address: the cluster network only).
-    pysyncobj's own default is every interface."""
+    The Raft library's own default is every interface."""
 
     def grpc_of_raft(self) -> dict[str, str]:
         """Raft address -> gRPC address for every member (for leader hints)."""
@@ -123,7 +123,7 @@ def from_dict(raw: dict[str, Any]) -> DirectoryConfig:
 
 
 def _check(cfg: DirectoryConfig) -> None:
-    """Refuse values pysyncobj would assert on, or that make no sense, with a reason."""
+    """Refuse values the Raft library would assert on, or that make no sense, with a reason."""
     if not 0 < cfg.limits.batch_entries_max <= BATCH_ENTRIES_CEILING:
         raise ConfigError(f"[limits] batch_entries_max must be 1..{BATCH_ENTRIES_CEILING}")
     t = cfg.raft

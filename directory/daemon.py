@@ -22,9 +22,14 @@ from kvdir.core.security import SecurityConfigError, ServerSecurity, read_secret
 from kvdir.core.wire import GRPC_MESSAGE_BYTES_MAX
 from kvdir.directory.admin import AdminService
 from kvdir.directory.config import DirectoryConfig
-from kvdir.directory.membership import MembershipError, lock_data_dir, resolve_cluster_id
+from kvdir.directory.consensus.membership import (
+    MembershipError,
+    lock_data_dir,
+    resolve_cluster_id,
+)
+from kvdir.directory.consensus.port import Consensus, Role
+from kvdir.directory.consensus.syncobj import RaftConsensus
 from kvdir.directory.metrics import DirectoryMetrics
-from kvdir.directory.raft import DirectoryReplica
 from kvdir.directory.server import (
     SERVICE_NAME,
     Clock,
@@ -52,18 +57,16 @@ class DirectoryDaemon:
         self.cfg = cfg
         self.clock = clock or WallClock()
         self.metrics = DirectoryMetrics()
-        self._role = 0
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.replica: DirectoryReplica | None = None
+        self.consensus: Consensus | None = None
         self.server: grpc.Server | None = None
         self.health = health.HealthServicer()
         self._metrics_server: Any = None
         self._service: DirectoryService | None = None
 
-    def _on_state_changed(self, old: int, new: int) -> None:
-        self._role = new
-        log.info("raft role changed", extra={"from": old, "to": new})
+    def _on_role_changed(self, old: Role, new: Role) -> None:
+        log.info("raft role changed", extra={"from": int(old), "to": int(new)})
 
     def _raft_password(self) -> str | None:
         path = self.cfg.auth.raft_password_file
@@ -89,12 +92,12 @@ class DirectoryDaemon:
         except (MembershipError, OSError) as e:
             raise StartError(str(e)) from e
         try:
-            self.replica = DirectoryReplica(
+            raft = RaftConsensus(
                 cfg.raft_address,
                 [p.raft_address for p in cfg.peers],
                 cfg.data_dir,
                 cfg.raft,
-                on_state_changed=self._on_state_changed,
+                on_role_changed=self._on_role_changed,
                 cluster_id=cluster_id,
                 join=cfg.join,
                 password=password,
@@ -103,23 +106,13 @@ class DirectoryDaemon:
         except OSError as e:
             raise StartError(f"cannot open data dir {cfg.data_dir}: {e}") from e
         try:
-            self.replica.waitBinded()
-        except Exception as e:
-            self.replica.destroy()
+            raft.wait_bound()
+        except OSError as e:
             raise StartError(f"cannot bind raft address {cfg.raft_address}") from e
-        replica = self.replica
-        service = DirectoryService(cfg, replica, self.metrics, lambda: self._role, self.clock)
+        self.consensus = consensus = raft
+        service = DirectoryService(cfg, consensus, self.metrics, self.clock)
         self._service = service
-        self.metrics.bind(
-            role=lambda: self._role,
-            term=lambda: replica.raftCurrentTerm,
-            commit_index=lambda: replica.raftCommitIndex,
-            applied_index=lambda: replica.raftLastApplied,
-            has_leader=lambda: 0 if replica.leader_address() is None else 1,
-            entries=lambda: replica.table.entries,
-            nodes=lambda: len(replica.table.nodes),
-            namespaces=lambda: len(replica.table.ns_names),
-        )
+        self._bind_metrics(consensus)
         server = grpc.server(
             futures.ThreadPoolExecutor(
                 max_workers=cfg.grpc_workers, thread_name_prefix="kvdir-grpc"
@@ -133,7 +126,7 @@ class DirectoryDaemon:
             ],
         )
         pb_grpc.add_PrefixDirectoryServicer_to_server(service, server)
-        admin = AdminService(cfg, replica, service.leader_grpc, service.label, cluster_id)
+        admin = AdminService(cfg, consensus, service.leader_grpc, service.label, cluster_id)
         pb_grpc.add_DirectoryAdminServicer_to_server(admin, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         admin_name = pb.DESCRIPTOR.services_by_name["DirectoryAdmin"].full_name
@@ -145,7 +138,7 @@ class DirectoryDaemon:
         try:
             security.add_port(server, cfg.grpc_address)
         except RuntimeError as e:
-            replica.destroy()
+            consensus.close()
             raise StartError(f"cannot listen on gRPC address {cfg.grpc_address}") from e
         server.start()
         self.server = server
@@ -157,7 +150,7 @@ class DirectoryDaemon:
                 self.stop()
                 raise StartError(f"cannot serve metrics on {cfg.metrics_address}: {e}") from e
         sweeper = LeaseSweeper(
-            replica,
+            consensus,
             self.clock,
             cfg.lease_sweep_ms,
             self.metrics,
@@ -176,16 +169,28 @@ class DirectoryDaemon:
                 "grpc": cfg.grpc_address,
                 "metrics": cfg.metrics_address,
                 "peers": [p.replica_id for p in cfg.peers],
-                "members": replica.member_addresses(),
+                "members": consensus.member_addresses(),
                 "cluster_id": cluster_id,
             },
         )
 
+    def _bind_metrics(self, c: Consensus) -> None:
+        self.metrics.bind(
+            role=lambda: int(c.status().role),
+            term=lambda: c.status().term,
+            commit_index=lambda: c.status().commit_index,
+            applied_index=lambda: c.status().applied_index,
+            has_leader=lambda: 0 if c.status().leader is None else 1,
+            entries=lambda: c.read(lambda t: t.entries),
+            nodes=lambda: c.read(lambda t: len(t.nodes)),
+            namespaces=lambda: c.read(lambda t: len(t.ns_names)),
+        )
+
     def _serving(self) -> bool:
-        r = self.replica
-        if r is None or r.leader_address() is None:
+        if self.consensus is None:
             return False
-        return bool(r.raftCommitIndex - r.raftLastApplied <= APPLY_LAG_SERVING_MAX)
+        st = self.consensus.status()
+        return st.leader is not None and st.lag <= APPLY_LAG_SERVING_MAX
 
     def _health_loop(self) -> None:
         last: bool | None = None
@@ -207,17 +212,17 @@ class DirectoryDaemon:
         """Leave gracefully: stop serving, hand over leadership, close."""
         self._stop.set()
         self.health.enter_graceful_shutdown()
-        r = self.replica
-        if r is not None and r._isLeader():
+        c = self.consensus
+        if c is not None and c.is_leader():
             t0 = time.monotonic()
-            r.transferLeadership()
+            c.transfer_leadership()
             deadline = t0 + min(grace_s, 1.0)
-            while r._isLeader() and time.monotonic() < deadline:
+            while c.is_leader() and time.monotonic() < deadline:
                 time.sleep(0.01)
             # Operators (and the systemd VM test) read this to tell a handover
             # from a plain exit that left the others to an election timeout.
             log.info(
-                "leadership handed over" if not r._isLeader() else "leadership handover timed out",
+                "leadership handed over" if not c.is_leader() else "leadership handover timed out",
                 extra={
                     "replica_id": self.cfg.replica_id,
                     "seconds": round(time.monotonic() - t0, 3),
@@ -227,8 +232,8 @@ class DirectoryDaemon:
             self.server.stop(grace_s).wait(grace_s)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
-        if r is not None:
-            r.destroy()
+        if c is not None:
+            c.close()
         log.info("directory replica stopped", extra={"replica_id": self.cfg.replica_id})
 
     def wait(self) -> None:

@@ -45,17 +45,21 @@ from kvdir.directory.commands import (
     Result,
 )
 from kvdir.directory.config import DirectoryConfig
+from kvdir.directory.consensus.port import Consensus, Outcome, Role
 from kvdir.directory.limits import EXPIRE_NODES_PER_COMMAND_MAX
 from kvdir.directory.metrics import DirectoryMetrics
-from kvdir.directory.raft import DirectoryReplica, Outcome
-from kvdir.directory.table import Match
+from kvdir.directory.table import Match, Table
 from kvdir.v1 import directory_pb2 as pb
 from kvdir.v1 import directory_pb2_grpc as pb_grpc
 
 log = logging.getLogger("kvdir.directory.server")
 
 SERVICE_NAME = "kvdir.v1.PrefixDirectory"
-_ROLE = {0: pb.ROLE_FOLLOWER, 1: pb.ROLE_CANDIDATE, 2: pb.ROLE_LEADER}
+_ROLE = {
+    Role.FOLLOWER: pb.ROLE_FOLLOWER,
+    Role.CANDIDATE: pb.ROLE_CANDIDATE,
+    Role.LEADER: pb.ROLE_LEADER,
+}
 _REJECT_REASON = {1: "unknown-node", 2: "stale-incarnation", 3: "bad-tier", 4: "bad-batch"}
 
 Req = TypeVar("Req")
@@ -96,20 +100,20 @@ def _rpc(
 
 
 class DirectoryService(pb_grpc.PrefixDirectoryServicer):
+    """The PrefixDirectory RPCs over any `Consensus` (Raft in the daemon, memory in tests)."""
+
     def __init__(
         self,
         cfg: DirectoryConfig,
-        replica: DirectoryReplica,
+        consensus: Consensus,
         metrics: DirectoryMetrics,
-        role: Callable[[], int],
         clock: Clock,
     ) -> None:
         self.cfg = cfg
         self.clock = clock
         self.limits = cfg.limits
-        self.replica = replica
+        self.consensus = consensus
         self.metrics = metrics
-        self.role = role
         self._grpc_of_raft = cfg.grpc_of_raft()
         self._inflight = threading.BoundedSemaphore(cfg.limits.inflight_writes_max)
         self._caught_up = False
@@ -117,7 +121,7 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
     # --------------------------------------------------------------- helpers
 
     def leader_grpc(self) -> str:
-        leader = self.replica.leader_address()
+        leader = self.consensus.status().leader
         return "" if leader is None else self.label(leader)[1]
 
     def label(self, raft_address: str) -> tuple[str, str]:
@@ -125,8 +129,10 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         grpc_addr = self._grpc_of_raft.get(raft_address)
         if grpc_addr is not None:
             return self.cfg.replica_of_raft()[raft_address], grpc_addr
-        rid, grpc_addr = self.replica.member_labels().get(raft_address, ("", ""))
-        return rid or raft_address, grpc_addr
+        for m in self.consensus.members():
+            if m.address == raft_address:
+                return m.replica_id or raft_address, m.grpc_address
+        return raft_address, ""
 
     def _authorize(self, node_id: str, context: grpc.ServicerContext) -> None:
         """A write names its node; only that node (or an admin) may make it."""
@@ -144,7 +150,7 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         return limit if remaining is None else max(0.0, min(limit, remaining))
 
     def _write(self, cmd: Any, context: grpc.ServicerContext) -> Result:
-        if self.replica.leader_address() is None:
+        if self.consensus.status().leader is None:
             self._unavailable(context, "no leader: the directory has no quorum right now")
         if not self._inflight.acquire(blocking=False):
             context.abort(
@@ -152,7 +158,7 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
                 f"over {self.limits.inflight_writes_max} writes waiting on raft",
             )
         try:
-            res = self.replica.write(cmd, self._timeout_s(context, self.limits.write_timeout_ms))
+            res = self.consensus.write(cmd, self._timeout_s(context, self.limits.write_timeout_ms))
         finally:
             self._inflight.release()
         self.metrics.write_outcomes.labels(res.outcome.value).inc()
@@ -173,12 +179,12 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         return result
 
     def read_info(self, linearizable: bool) -> pb.ReadInfo:
-        r = self.replica
+        st = self.consensus.status()
         return pb.ReadInfo(
             replica_id=self.cfg.replica_id,
-            role=_ROLE[self.role()],
-            applied_index=r.raftLastApplied,
-            commit_index=r.raftCommitIndex,
+            role=_ROLE[st.role],
+            applied_index=st.applied_index,
+            commit_index=st.commit_index,
             linearizable=linearizable,
         )
 
@@ -189,10 +195,8 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         lifted the gate while it could see a leader."""
         if self._caught_up:
             return True
-        r = self.replica
-        if r.leader_address() is None:
-            return False
-        if r.raftCommitIndex - r.raftLastApplied > self.limits.local_read_lag_max:
+        st = self.consensus.status()
+        if st.leader is None or st.lag > self.limits.local_read_lag_max:
             return False
         self._caught_up = True
         return True
@@ -208,21 +212,21 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         """
         if self.observe_catch_up():
             return
-        r = self.replica
-        if r.leader_address() is None:
+        st = self.consensus.status()
+        if st.leader is None:
             self._unavailable(
                 context, "catching up after start: no leader heard yet; ask another replica"
             )
         self._unavailable(
             context,
-            f"catching up after start: {r.raftCommitIndex - r.raftLastApplied} committed "
+            f"catching up after start: {st.lag} committed "
             "entries not applied yet; ask another replica",
         )
 
     def _barrier(self, context: grpc.ServicerContext) -> None:
-        if self.replica.leader_address() is None:
+        if self.consensus.status().leader is None:
             self._unavailable(context, "no leader: linearizable reads need a quorum")
-        res = self.replica.barrier(self._timeout_s(context, self.limits.barrier_timeout_ms))
+        res = self.consensus.barrier(self._timeout_s(context, self.limits.barrier_timeout_ms))
         if res.outcome is not Outcome.COMMITTED:
             self._unavailable(context, f"linearizable read barrier failed: {res.reason}")
         self.metrics.barriers.inc()
@@ -239,7 +243,7 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         res = self._write(cmd, context)
         assert isinstance(res, Published)
         return pb.PublishResponse(
-            applied=res.applied, stale=res.stale, applied_index=self.replica.raftLastApplied
+            applied=res.applied, stale=res.stale, applied_index=self._applied_index()
         )
 
     @_rpc
@@ -247,7 +251,7 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         self._authorize(request.node_id, context)
         res = self._write(validate.remove(request, self.limits), context)
         assert isinstance(res, Removed)
-        return pb.RemoveResponse(removed=res.removed, applied_index=self.replica.raftLastApplied)
+        return pb.RemoveResponse(removed=res.removed, applied_index=self._applied_index())
 
     @_rpc
     def RegisterNode(
@@ -305,9 +309,11 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
 
     # ----------------------------------------------------------------- reads
 
-    def _fill(self, out: Any, matches: list[Match], omit_records: bool) -> None:
-        """Append NodeMatch messages to `out` (call with the replica lock held)."""
-        table = self.replica.table
+    def _applied_index(self) -> int:
+        return self.consensus.status().applied_index
+
+    def _fill(self, out: Any, table: Table, matches: list[Match], omit_records: bool) -> None:
+        """Append NodeMatch messages to `out` (inside `consensus.read`)."""
         for m in matches:
             node = m.node
             nm = out.add(
@@ -331,9 +337,12 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         else:
             self._check_caught_up(context)
         resp = pb.LookupResponse()
-        with self.replica.lock:
-            matches = self.replica.table.lookup(ns, chain, max_nodes, request.exclude_node)
-            self._fill(resp.matches, matches, request.omit_records)
+
+        def lookup(table: Table) -> None:
+            matches = table.lookup(ns, chain, max_nodes, request.exclude_node)
+            self._fill(resp.matches, table, matches, request.omit_records)
+
+        self.consensus.read(lookup)
         resp.read.CopyFrom(self.read_info(request.linearizable))
         return resp
 
@@ -353,11 +362,13 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         else:
             self._check_caught_up(context)
         resp = pb.LookupBatchResponse()
-        table = self.replica.table
-        with self.replica.lock:
+
+        def lookup_all(table: Table) -> None:
             for lk, (ns, chain, max_nodes) in zip(request.lookups, parsed, strict=True):
                 matches = table.lookup(ns, chain, max_nodes, lk.exclude_node)
-                self._fill(resp.results.add().matches, matches, lk.omit_records)
+                self._fill(resp.results.add().matches, table, matches, lk.omit_records)
+
+        self.consensus.read(lookup_all)
         resp.read.CopyFrom(self.read_info(request.linearizable))
         return resp
 
@@ -366,8 +377,9 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         self, request: pb.ListNodesRequest, context: grpc.ServicerContext
     ) -> pb.ListNodesResponse:
         resp = pb.ListNodesResponse()
-        with self.replica.lock:
-            for n in sorted(self.replica.table.nodes.values(), key=lambda n: n.node_id):
+
+        def list_nodes(table: Table) -> None:
+            for n in sorted(table.nodes.values(), key=lambda n: n.node_id):
                 resp.nodes.add(
                     node_id=n.node_id,
                     host=n.host,
@@ -377,6 +389,8 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
                     lease_expiry_ms=n.lease_expiry_ms,
                     entries=n.entries,
                 )
+
+        self.consensus.read(list_nodes)
         resp.read.CopyFrom(self.read_info(False))
         return resp
 
@@ -384,38 +398,38 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
     def ClusterStatus(
         self, request: pb.ClusterStatusRequest, context: grpc.ServicerContext
     ) -> pb.ClusterStatusResponse:
-        r = self.replica
-        status = r.getStatus()
-        leader = r.leader_address()
+        st = self.consensus.status()
         resp = pb.ClusterStatusResponse(
             replica_id=self.cfg.replica_id,
-            role=_ROLE[int(status["state"])],
-            leader_id=self.label(leader)[0] if leader else "",
+            role=_ROLE[st.role],
+            leader_id=self.label(st.leader)[0] if st.leader else "",
             leader_grpc_address=self.leader_grpc(),
-            term=status["raft_term"],
-            commit_index=status["commit_idx"],
-            applied_index=status["last_applied"],
-            has_quorum=bool(status["has_quorum"]),
-            log_entries=status["log_len"],
-            last_compaction_s=r.last_compaction_s,
-            cluster_id=r.kvdir_cluster_id,
+            term=st.term,
+            commit_index=st.commit_index,
+            applied_index=st.applied_index,
+            has_quorum=st.has_quorum,
+            log_entries=st.log_entries,
+            last_compaction_s=st.last_compaction_s,
+            cluster_id=st.cluster_id,
         )
-        for addr, connected, is_self in r.members():
-            rid, grpc_addr = self.label(addr)
+        for m in self.consensus.members():
+            rid, grpc_addr = self.label(m.address)
             resp.members.add(
-                replica_id=rid or addr,
-                raft_address=addr,
+                replica_id=rid or m.address,
+                raft_address=m.address,
                 grpc_address=grpc_addr,
-                connected=connected,
-                is_self=is_self,
+                connected=m.connected,
+                is_self=m.is_self,
             )
-        with r.lock:
-            t = r.table
+
+        def sizes(t: Table) -> None:
             resp.entries, resp.blocks = t.entries, t.block_count
             resp.nodes, resp.namespaces = len(t.nodes), len(t.ns_names)
             if request.with_digest:
-                resp.applied_index = r.raftLastApplied  # the index the digest is taken at
+                resp.applied_index = self._applied_index()  # the index the digest is taken at
                 resp.state_digest = t.digest()
+
+        self.consensus.read(sizes)
         return resp
 
 
@@ -440,13 +454,13 @@ class LeaseSweeper:
 
     def __init__(
         self,
-        replica: DirectoryReplica,
+        consensus: Consensus,
         clock: Clock,
         interval_ms: int,
         metrics: DirectoryMetrics,
         write_timeout_s: float,
     ) -> None:
-        self.replica = replica
+        self.consensus = consensus
         self.clock = clock
         self.interval_s = interval_ms / 1000
         self.metrics = metrics
@@ -463,18 +477,18 @@ class LeaseSweeper:
 
     def sweep_once(self) -> None:
         now = self.clock.now_ms()
-        if not self.replica._isLeader():
+        if not self.consensus.is_leader():
             self.leader_since_ms = None
             return
         if self.leader_since_ms is None:
             self.leader_since_ms = now
-        with self.replica.lock:
-            expired = self.replica.table.expired_nodes(
-                now, EXPIRE_NODES_PER_COMMAND_MAX, grace_from_ms=self.leader_since_ms
-            )
+        since = self.leader_since_ms
+        expired = self.consensus.read(
+            lambda t: t.expired_nodes(now, EXPIRE_NODES_PER_COMMAND_MAX, grace_from_ms=since)
+        )
         if not expired:
             return
-        res = self.replica.write(ExpireNodes(now, tuple(expired)), self.write_timeout_s)
+        res = self.consensus.write(ExpireNodes(now, tuple(expired)), self.write_timeout_s)
         if res.outcome is Outcome.COMMITTED and isinstance(res.result, Expired):
             self.metrics.lease_expiries.inc(len(res.result.nodes))
             if res.result.nodes:

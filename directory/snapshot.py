@@ -1,6 +1,6 @@
 """Snapshot of a `Table` to a file and back, in an explicit binary format.
 
-Compaction must never stall the Raft thread (pysyncobj's stock snapshot
+Compaction must never stall the Raft thread (the Raft library's stock snapshot
 pickles the whole state on the tick thread: 3.8 s at 1M entries, which causes
 elections). So a snapshot has two halves:
 
@@ -13,9 +13,9 @@ elections). So a snapshot has two halves:
 File layout: ``MAGIC``, u32 header length, a JSON header (format version,
 sizes, namespaces, nodes, Raft metadata), then each numeric column as raw
 little-endian bytes, the key lengths (u8 per slot, 0 for a free slot), the
-concatenated keys, each namespace's head slots, and the Raft log entries
-pysyncobj hands us (u32 length, bytes, u64 index, u64 term each). Sizes are in
-the header, so a truncated file is detected rather than half-loaded.
+concatenated keys, each namespace's head slots, and the Raft log entries the
+Raft adapter hands us (u32 length, bytes, u64 index, u64 term each). Sizes are
+in the header, so a truncated file is detected rather than half-loaded.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def _key_chunks(keys: list[bytes | None]) -> Iterator[tuple[bytes, bytes]]:
 
 
 def write(image: Image, path: str, raft: dict[str, Any], entries: list[RaftEntry]) -> None:
-    """Write `image` (plus pysyncobj's metadata) atomically to `path`."""
+    """Write `image` (plus the Raft adapter's metadata) atomically to `path`."""
     lengths = bytearray()
     blobs: list[bytes] = []
     for lens, blob in _key_chunks(image.keys):

@@ -31,7 +31,7 @@ from kvdir.core.client import DirectoryClient, DirectoryError, namespace
 from kvdir.core.config import ConfigError, read_toml
 from kvdir.core.security import ClientSecurity, SecurityConfigError
 from kvdir.directory.config import DirectoryConfig, from_dict, parse_peer
-from kvdir.directory.raft import RaftTuning
+from kvdir.directory.consensus.tuning import RaftTuning
 from kvdir.v1 import directory_pb2 as pb
 
 DEFAULT_ADDRS = "127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103"
@@ -571,7 +571,7 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a Raft tuning field (directory.raft.RaftTuning)",
+        help="override a Raft tuning field (directory.consensus.tuning.RaftTuning)",
     )
     s.add_argument(
         "--enable-echo",

@@ -18,7 +18,7 @@ import grpc
 
 from kvdir import secflags
 from kvdir.directory import backup
-from kvdir.directory.membership import MembershipError
+from kvdir.directory.consensus.membership import MembershipError
 from kvdir.v1 import directory_pb2 as pb
 from kvdir.v1 import directory_pb2_grpc as pb_grpc
 

@@ -19,7 +19,7 @@ from bench.directory.cluster import FILLER_NODE, NAMESPACE, PUBLISH, Bench
 from bench.directory.threads import Prober, StatusWatch, retire_writer, start_writer
 from bench.measure import deadline_loop, say
 from bench.workers import CallTask
-from kvdir.directory.raft import RaftTuning
+from kvdir.directory.consensus.tuning import RaftTuning
 from kvdir.local import Replica
 from kvdir.v1 import directory_pb2 as pb
 

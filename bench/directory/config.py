@@ -9,7 +9,7 @@ from typing import Any
 
 from bench.command import add_quick_and_out_dir
 from kvdir import report
-from kvdir.directory.raft import RaftTuning
+from kvdir.directory.consensus.tuning import RaftTuning
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

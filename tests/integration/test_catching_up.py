@@ -1,15 +1,15 @@
 """After a start, a replica refuses local reads until it has caught up, once.
 
 `kvdir chaos` measured restarted replicas answering local lookups from state
-minutes old while they replayed (docs/chaos.md). The replica here is a stand-in
-(a real `Table` and lock, with fixed applied/commit indexes) because a real
-process's replay cannot be held at a chosen point; the gRPC server, the service
-and the client are the real ones, over loopback.
+minutes old while they replayed (docs/chaos.md). The replica here is the in-process
+consensus port (`consensus.memory`) with its applied and commit indexes set by
+hand, because a real process's replay cannot be held at a chosen point; the
+gRPC server, the service and the client are the real ones, over loopback.
 """
 
 from __future__ import annotations
 
-import threading
+import dataclasses
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -19,9 +19,10 @@ import pytest
 
 from kvdir.core.client import DirectoryClient, Unavailable, namespace
 from kvdir.directory.config import DirectoryConfig
+from kvdir.directory.consensus.memory import MemoryCluster, MemoryReplica
+from kvdir.directory.consensus.port import Status
 from kvdir.directory.metrics import DirectoryMetrics
 from kvdir.directory.server import DirectoryService, WallClock
-from kvdir.directory.table import Table
 from kvdir.local import free_ports
 from kvdir.v1 import directory_pb2_grpc as pb_grpc
 
@@ -31,18 +32,22 @@ SPACE = namespace("catchup/model", 16)
 LAG_MAX = 1000
 
 
-class Replaying:
-    """Stands in for a DirectoryReplica part-way through replaying its journal."""
+class Replaying(MemoryReplica):
+    """A replica part-way through replaying its journal: indexes and leader set by hand."""
 
     def __init__(self, applied: int, commit: int) -> None:
-        self.table = Table()
-        self.lock = threading.Lock()
+        super().__init__(MemoryCluster(), "127.0.0.1:1")
         self.raftLastApplied = applied
         self.raftCommitIndex = commit
         self.leader: str | None = None
 
-    def leader_address(self) -> str | None:
-        return self.leader
+    def status(self) -> Status:
+        return dataclasses.replace(
+            super().status(),
+            leader=self.leader,
+            applied_index=self.raftLastApplied,
+            commit_index=self.raftCommitIndex,
+        )
 
 
 @pytest.fixture
@@ -51,7 +56,7 @@ def served(tmp_path: Path) -> Iterator[tuple[Replaying, str]]:
     addr = f"127.0.0.1:{port}"
     cfg = DirectoryConfig("r1", "127.0.0.1:1", addr, str(tmp_path))
     replica = Replaying(applied=10, commit=10 + LAG_MAX + 1)
-    service = DirectoryService(cfg, replica, DirectoryMetrics(), lambda: 0, WallClock())  # type: ignore[arg-type]
+    service = DirectoryService(cfg, replica, DirectoryMetrics(), WallClock())
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     pb_grpc.add_PrefixDirectoryServicer_to_server(service, server)
     server.add_insecure_port(addr)

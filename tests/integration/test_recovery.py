@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from kvdir.core.client import DirectoryClient, Unavailable
-from kvdir.directory import backup
+from kvdir.directory import backup, consensus
 from kvdir.directory.commands import Publish
 from kvdir.local import LocalCluster, Replica, wait_for
 from tests.integration.helpers import (
@@ -48,9 +48,9 @@ def blocks_in_log(data_dir: str) -> set[int]:
     """Block numbers the load published that a stopped replica's journal holds."""
     want = {h(i, SALT): i for i in range(20_000)}
     out: set[int] = set()
-    entries, _ = backup._journal_entries(data_dir)
-    for cmd_bytes, _, _ in entries:
-        cmd = backup.command_of(cmd_bytes)
+    entries, _ = consensus.read_log(data_dir)
+    for entry in entries:
+        cmd = entry.command
         if isinstance(cmd, Publish):
             out.update(want[x] for x in cmd.hashes if x in want)
     return out

@@ -12,7 +12,8 @@ from pysyncobj.node import TCPNode
 
 from kvdir.directory import backup, codec, snapshot
 from kvdir.directory.admin import quorum_ok
-from kvdir.directory.membership import (
+from kvdir.directory.consensus import pysyncobj_log
+from kvdir.directory.consensus.membership import (
     DataDirBusy,
     MembershipError,
     hello,
@@ -22,6 +23,7 @@ from kvdir.directory.membership import (
     resolve_cluster_id,
     split_hello,
 )
+from kvdir.directory.consensus.port import LogError
 from kvdir.directory.table import Table
 from tests.unit.helpers import chain, must_publish, must_register, publish_cmd, view
 
@@ -140,8 +142,14 @@ def test_recover_replays_snapshot_then_the_whole_journal(tmp_path: Path) -> None
 
 def test_recover_refuses_foreign_journal_entries(tmp_path: Path) -> None:
     evil = b"\x00" + pysyncobj_pickle.dumps((0, (os.getcwd,)))
+    with pytest.raises(LogError, match="not a kvdir command"):
+        pysyncobj_log.command_of(evil)
+    journal = createJournal(str(tmp_path / "journal.bin"))
+    journal.add(evil, 1, 1)
+    journal._destroy()
     with pytest.raises(backup.BackupError, match="not a kvdir command"):
-        backup.command_of(evil)
+        backup.recover_state(str(tmp_path))
+    (tmp_path / "journal.bin").unlink()
     with pytest.raises(backup.BackupError, match=r"no snapshot\.bin and no journal\.bin"):
         backup.recover_state(str(tmp_path))
 

@@ -8,7 +8,7 @@ end; a deposed leader's stale tail could then never be replaced.
 
 from __future__ import annotations
 
-from kvdir.directory.raft import rejection_hint
+from kvdir.directory.consensus.fixes import rejection_hint
 
 
 def test_a_mismatch_rewinds_to_the_commit_index_and_sets_a_floor() -> None:

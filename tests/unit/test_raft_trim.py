@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvdir.directory.raft import RaftEntry, trim_append_entries
+from kvdir.directory.consensus.fixes import RaftEntry, trim_append_entries
 
 
 def log_of(terms: list[int]) -> dict[int, RaftEntry]:

@@ -1,0 +1,328 @@
+"""The private pysyncobj subclass: the table's one replicated entry, safety fixes, snapshots.
+
+Only `syncobj.RaftConsensus` creates and touches a `Replica`; no
+other module sees pysyncobj's names. Everything here runs on pysyncobj's tick
+thread unless it says otherwise.
+
+Ordering contracts:
+- `_apply_blob` applies under `lock`, so a read under `lock` sees a whole
+  command or none of it; the apply listener runs after, holding no lock, with
+  the entry's index (pysyncobj bumps `raftLastApplied` after the apply returns).
+- A write's callback runs after this replica applied it (pysyncobj calls back
+  from its tick thread after the local apply).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from pysyncobj import SyncObj, SyncObjConf, replicated
+from pysyncobj.config import SERIALIZER_STATE
+from pysyncobj.monotonic import monotonic as raft_clock  # pysyncobj's own clock
+from pysyncobj.node import TCPNode
+
+from kvdir.directory import codec, snapshot
+from kvdir.directory.commands import Command, Result
+from kvdir.directory.consensus.fixes import RaftEntry, rejection_hint, trim_append_entries
+from kvdir.directory.consensus.pysyncobj_log import DUMP_FILE, JOURNAL_FILE
+from kvdir.directory.consensus.transport import FencedTransport
+from kvdir.directory.consensus.tuning import RaftTuning
+from kvdir.directory.table import Table
+
+log = logging.getLogger("kvdir.directory.raft")
+
+_KEEPALIVE = {"type": "kvdir_keepalive"}
+_FOLLOWER = 0  # pysyncobj's _RAFT_STATE.FOLLOWER
+_LEADER = 2  # pysyncobj's _RAFT_STATE.LEADER
+
+Listener = Callable[[int, Command, Result], None]
+
+
+def label_kwargs(label: Any) -> dict[str, str]:
+    """TCPNode keyword attributes from a snapshot's [replica id, gRPC address] label."""
+    if not isinstance(label, list) or len(label) != 2:
+        return {}
+    return {"kvdir_id": str(label[0]), "kvdir_grpc": str(label[1])}
+
+
+def node_labels(node: Any) -> tuple[str, str]:
+    """(replica id, gRPC address) a TCPNode carries ("" when it carries none)."""
+    return str(getattr(node, "kvdir_id", "")), str(getattr(node, "kvdir_grpc", ""))
+
+
+def make_conf(
+    replica: Replica,
+    tuning: RaftTuning,
+    data_dir: str,
+    on_state_changed: Callable[[int, int], None] | None,
+    password: str | None,
+    bind_address: str,
+) -> SyncObjConf:
+    """Every pysyncobj setting, in one place (the journal and serializer hooks included)."""
+    return SyncObjConf(
+        appendEntriesUseBatch=False,
+        appendEntriesPeriod=tuning.append_entries_period_s,
+        raftMinTimeout=tuning.election_min_s,
+        raftMaxTimeout=tuning.election_max_s,
+        connectionTimeout=tuning.connection_timeout_s,
+        connectionRetryTime=tuning.election_min_s,  # redial idle follower links at once
+        autoTickPeriod=tuning.tick_period_s,
+        dnsCacheTime=tuning.dns_cache_s,
+        dnsFailCacheTime=min(tuning.dns_cache_s, 30.0),
+        leaderFallbackTimeout=tuning.leader_fallback_s,
+        journalFile=os.path.join(data_dir, JOURNAL_FILE),
+        fullDumpFile=replica.dump_path,
+        serializer=replica._serialize,
+        deserializer=replica._deserialize,
+        serializeChecker=replica._serialize_state,
+        logCompactionMinEntries=tuning.compaction_min_entries,
+        logCompactionMinTime=tuning.compaction_min_time_s,
+        logCompactionSplit=True,
+        dynamicMembershipChange=True,
+        commandsQueueSize=tuning.commands_queue_max,
+        onStateChanged=on_state_changed,
+        password=password,
+        bindAddress=bind_address,
+    )
+
+
+class Replica(SyncObj):  # type: ignore[misc]
+    """One directory replica: the table, replicated by pysyncobj."""
+
+    def __init__(
+        self,
+        self_address: str,
+        peer_addresses: list[str],
+        data_dir: str,
+        tuning: RaftTuning,
+        on_state_changed: Callable[[int, int], None] | None,
+        cluster_id: str,
+        join: bool,
+        password: str | None,
+        bind_address: str,
+    ) -> None:
+        self.kvdir_cluster_id = cluster_id  # read by FencedTransport
+        os.makedirs(data_dir, exist_ok=True)
+        self.lock = threading.Lock()
+        self.table = Table()
+        self.listeners: list[Listener] = []
+        self._snap_lock = threading.Lock()
+        self._snap_state = SERIALIZER_STATE.NOT_SERIALIZING
+        self.last_compaction_s = 0.0
+        self.compactions = 0
+        self.dump_path = os.path.join(data_dir, DUMP_FILE)
+        conf = make_conf(self, tuning, data_dir, on_state_changed, password, bind_address)
+        self._keepalive_s = tuning.keepalive_s
+        self._leader_loss_spread_s = tuning.election_max_s - tuning.election_min_s
+        self._election_s = (tuning.election_min_s, tuning.election_max_s)
+        self._next_keepalive = 0.0
+        self._reject_floor: int | None = None
+        super().__init__(self_address, peer_addresses, conf, transportClass=FencedTransport)
+        self._SyncObj__raftElectionDeadline = raft_clock() + tuning.startup_grace_s
+        self._joining = join
+        """Never campaign before a leader has been heard from (a replica being added)."""
+
+    # ------------------------------------------------------------ raft safety
+
+    def _onTick(self, timeToWait: float = 0.0) -> None:  # noqa: N802, N803 (pysyncobj's name)
+        """One Raft tick, then keepalives to every other member.
+
+        Followers never talk to each other, and pysyncobj drops a link that has
+        been silent for `connection_timeout_s` the moment something is sent on
+        it: that first message is a vote request when the leader dies, so the
+        survivors could not campaign until they had re-dialled each other.
+        Pinging keeps every link warm. Runs on the Raft thread (the transport
+        is not thread-safe).
+        """
+        if self._joining:
+            # Until the leader adds it, a joining replica's dials are refused right
+            # after they connect; campaigning meanwhile would only inflate its term,
+            # and that term would depose the leader the moment it is added.
+            if self._SyncObj__raftLeader is not None:
+                self._joining = False
+            else:
+                self._SyncObj__raftElectionDeadline = raft_clock() + self._leader_loss_spread_s + 1
+        super()._onTick(timeToWait)
+        now = time.monotonic()
+        if now >= self._next_keepalive:
+            self._next_keepalive = now + self._keepalive_s
+            transport = self._SyncObj__transport
+            for node in list(self.otherNodes):
+                transport.send(node, _KEEPALIVE)
+
+    def _SyncObj__onNodeDisconnected(self, node: Any) -> None:  # noqa: N802
+        """A lost link to the leader starts the election early (within a random spread).
+
+        When a leader process dies its sockets close at once, so its followers
+        know before any heartbeat is missed. Campaigning after a random delay of
+        up to one election-timeout spread (instead of a full timeout) halves the
+        write gap of a leader crash; the randomness keeps the two survivors from
+        splitting the vote. A partition closes no socket and still waits for the
+        normal timeout. Runs on the Raft thread.
+        """
+        super()._SyncObj__onNodeDisconnected(node)
+        if node == self._SyncObj__raftLeader and self._SyncObj__raftState == _FOLLOWER:
+            soon = raft_clock() + random.uniform(0.0, self._leader_loss_spread_s)
+            self._SyncObj__raftElectionDeadline = min(self._SyncObj__raftElectionDeadline, soon)
+
+    def _SyncObj__setState(self, newState: int) -> None:  # noqa: N802, N803
+        """A leader that steps down waits a fresh election timeout before campaigning.
+
+        pysyncobj leaves a leader's (long expired) election deadline as it was,
+        so a deposed leader campaigned on its next tick; after a leadership
+        hand-over (`kvdir ctl remove-replica` of the leader) it often won back
+        at once, over and over. Runs on the Raft thread.
+        """
+        was_leader = self._SyncObj__raftState == _LEADER
+        super()._SyncObj__setState(newState)
+        if was_leader and newState != _LEADER:
+            self._SyncObj__raftElectionDeadline = raft_clock() + random.uniform(*self._election_s)
+
+    def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:  # noqa: N802
+        """Every message from a peer; appends are trimmed first (`trim_append_entries`)."""
+        if isinstance(message, dict) and message.get("type") == _KEEPALIVE["type"]:
+            return
+        if (
+            isinstance(message, dict)
+            and message.get("type") == "append_entries"
+            and "prevLogIdx" in message
+            and "transmission" not in message
+        ):
+            message = trim_append_entries(message, self.entry_at, self.last_log_index())
+        super()._SyncObj__onMessageReceived(node, message)
+
+    def _SyncObj__sendNextNodeIdx(  # noqa: N802 (pysyncobj's name)
+        self,
+        node: Any,
+        reset: bool = False,
+        nextNodeIdx: int | None = None,  # noqa: N803
+        success: bool = False,
+    ) -> None:
+        """A follower's answer to an append; rejections go through `rejection_hint`.
+
+        Runs on the Raft thread. pysyncobj passes `nextNodeIdx` only for a term
+        mismatch (None: the append started past our log's end).
+        """
+        hint = nextNodeIdx
+        if success:
+            self._reject_floor = None
+        elif reset:
+            proposed = self.last_log_index() + 1 if hint is None else hint
+            hint, self._reject_floor = rejection_hint(
+                proposed,
+                hint is not None,
+                self._reject_floor,
+                int(self.raftCommitIndex),
+                int(self._SyncObj__raftLog[0][1]),
+            )
+        super()._SyncObj__sendNextNodeIdx(node, reset=reset, nextNodeIdx=hint, success=success)
+
+    # ------------------------------------------------------------ log reads
+
+    def entry_at(self, idx: int) -> RaftEntry | None:
+        found = self._SyncObj__getEntries(idx, 1)
+        return (found[0][0], found[0][1], found[0][2]) if found else None
+
+    def last_log_index(self) -> int:
+        return int(self._SyncObj__getCurrentLogIndex())
+
+    def role(self) -> int:
+        """0 follower, 1 candidate, 2 leader (pysyncobj's numbering)."""
+        return int(self._SyncObj__raftState)
+
+    # ------------------------------------------------------------ the one entry
+
+    @replicated  # type: ignore[untyped-decorator]
+    def _apply_blob(self, blob: bytes) -> Result:
+        cmd = codec.decode(blob)
+        index = int(self.raftLastApplied) + 1  # bumped by pysyncobj once this returns
+        with self.lock:
+            result = self.table.apply(cmd)
+        for listener in self.listeners:
+            try:
+                listener(index, cmd, result)
+            except Exception:  # a listener's bug must not stop the Raft thread
+                log.exception("apply listener failed", extra={"index": index})
+        return result
+
+    def propose_blob(self, blob: bytes, callback: Callable[[Result | None, int], None]) -> None:
+        self._apply_blob(blob, callback=callback)
+
+    # ------------------------------------------------------------- snapshots
+
+    def _serialize(self, _tmp_file: str, data: tuple[Any, Any, Any]) -> None:
+        """pysyncobj's compaction hook, on the Raft thread: capture, then write elsewhere.
+
+        pysyncobj renames `_tmp_file` into place as soon as this returns; we
+        leave it absent (so that rename fails harmlessly) and publish the dump
+        ourselves with an atomic rename when the writer finishes, reporting
+        progress through `_serialize_state`.
+        """
+        t0 = time.perf_counter()
+        with self._snap_lock:
+            self._snap_state = SERIALIZER_STATE.SERIALIZING
+        entry_last, entry_prev, cluster = data
+        image = snapshot.capture(self.table)
+        raft = {
+            "cluster": sorted(str(n.address) for n in cluster),
+            "labels": {
+                str(n.address): list(node_labels(n)) for n in cluster if any(node_labels(n))
+            },
+        }
+        capture_s = time.perf_counter() - t0
+        threading.Thread(
+            target=self._write_dump,
+            name="kvdir-snapshot",
+            daemon=True,
+            args=(image, raft, [entry_last, entry_prev], t0, capture_s),
+        ).start()
+
+    def _write_dump(
+        self,
+        image: snapshot.Image,
+        raft: dict[str, Any],
+        entries: list[snapshot.RaftEntry],
+        t0: float,
+        capture_s: float,
+    ) -> None:
+        try:
+            snapshot.write(image, self.dump_path, raft, entries)
+            state = SERIALIZER_STATE.SUCCESS
+            self.last_compaction_s = time.perf_counter() - t0
+            self.compactions += 1
+            log.info(
+                "compaction done",
+                extra={
+                    "entries": image.meta["entries"],
+                    "capture_s": round(capture_s, 4),
+                    "total_s": round(self.last_compaction_s, 4),
+                },
+            )
+        except Exception:
+            log.exception("compaction failed")
+            state = SERIALIZER_STATE.FAILED
+        with self._snap_lock:
+            self._snap_state = state
+
+    def _serialize_state(self) -> int:
+        with self._snap_lock:
+            state = self._snap_state
+            if state in (SERIALIZER_STATE.SUCCESS, SERIALIZER_STATE.FAILED):
+                self._snap_state = SERIALIZER_STATE.NOT_SERIALIZING
+            return int(state)
+
+    def _deserialize(self, path: str) -> tuple[Any, Any, Any]:
+        """Load a dump (at start, or one the leader sent): returns pysyncobj's metadata."""
+        table, raft, entries = snapshot.read(path)
+        with self.lock:
+            self.table = table
+        labels = raft.get("labels", {})
+        cluster = {TCPNode(addr, **label_kwargs(labels.get(addr))) for addr in raft["cluster"]}
+        log.info("snapshot loaded", extra={"entries": table.entries})
+        return entries[0], entries[1], cluster
