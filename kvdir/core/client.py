@@ -40,7 +40,10 @@ ATTEMPTS_MAX = 64
 BACKOFF_S_MIN = 0.01
 BACKOFF_S_MAX = 0.05  # an election takes ~0.2-0.3 s: poll it finely
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
-_UNKNOWN = {grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+# CANCELLED reaches this client only from the server side (this client never
+# cancels its own calls): a replica stopping cancels the calls its grace period
+# did not finish, so a write it was carrying may or may not have committed.
+_UNKNOWN = {grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
 
 
 def _metadata(e: grpc.RpcError) -> dict[str, str]:
