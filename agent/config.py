@@ -6,7 +6,7 @@ directory = ["10.0.0.1:7101", "10.0.0.2:7101", "10.0.0.3:7101"]
 listen = "10.0.1.7:7301"                # kvdir.v1.Agent for peers
 engine_socket = "/run/kvdir/agent.sock" # kvdir.v1.Engine for the local engine
 metrics_address = "10.0.1.7:7302"
-transports = ["shm", "tcp"]              # or "rdma" (needs pyverbs; docs/rdma.md)
+transports = ["shm", "tcp"]              # "rdma" (pyverbs; docs/rdma.md), "cuda" (GPU tier)
 rdma_device = "mlx5_0"                  # rdma only; default: first device with an active port
 rdma_gid_index = 3                      # rdma only; default: first RoCE v2 IPv4-mapped GID
 lease_ms = 10000
@@ -19,6 +19,8 @@ block_tokens = 16
 layout = "vllm-paged"
 slot_bytes = 2097152                    # KV bytes of one block
 slots = 4096
+tier = "host"                           # or "gpu": slots in GPU memory (needs "cuda"; docs/gpu.md)
+gpu_device = 0                          # gpu tier only: the GPU the slots live on
 
 [[engines]]                             # optional: a stock vLLM / SGLang's KV events
 name = "vllm0"                          # holders are "<node_id>/vllm0/dp<rank>"
@@ -53,7 +55,7 @@ from kvdir.directory.limits import LEASE_MS_DEFAULT, LEASE_MS_MAX, LEASE_MS_MIN
 from kvdir.v1 import directory_pb2 as pb
 
 POOL_BYTES_MAX = 1 << 40
-TRANSPORTS = ("tcp", "shm", "rdma")
+TRANSPORTS = ("tcp", "shm", "rdma", "cuda")
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +69,8 @@ class PoolConfig:
     tp_rank: int = 0
     tp_size: int = 0
     tier: str = "host"
+    gpu_device: int = 0
+    """tier "gpu": the CUDA device the agent-owned slots live on."""
 
     def namespace(self) -> pb.Namespace:
         return pb.Namespace(
@@ -143,6 +147,8 @@ class AgentConfig:
     rdma_device: str = ""
     rdma_port: int = 0
     rdma_gid_index: int = -1
+    rdma_gpu: bool = False
+    """UNVERIFIED remote-GPU path (RDMA with dma-buf) in holder choice; off by default."""
     engines: tuple[EngineConfig, ...] = ()
     tls: TlsConfig = field(default_factory=TlsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
@@ -230,6 +236,8 @@ def _check(cfg: AgentConfig) -> None:
         raise ConfigError(
             f"transports must be a non-empty subset of {', '.join(TRANSPORTS)} (got {bad})"
         )
+    if cfg.rdma_gpu and "rdma" not in cfg.transports:
+        raise ConfigError("rdma_gpu needs 'rdma' in transports (and is unverified: docs/gpu.md)")
     if cfg.rdma_port < 0 or cfg.rdma_gid_index < -1:
         raise ConfigError("rdma_port must be >= 0 (0: auto), rdma_gid_index >= -1 (-1: auto)")
     seen = set()
@@ -243,6 +251,10 @@ def _check(cfg: AgentConfig) -> None:
             )
         if p.tier not in ("host", "gpu"):
             raise ConfigError(f"[[pools]] #{i + 1}: tier must be 'host' or 'gpu'")
+        if p.tier == "gpu" and ("cuda" not in cfg.transports or p.gpu_device < 0):
+            raise ConfigError(
+                f"[[pools]] #{i + 1}: tier 'gpu' needs 'cuda' in transports and gpu_device >= 0"
+            )
         key = namespace_key(p.namespace())
         if key in seen:
             raise ConfigError(f"[[pools]] #{i + 1}: two pools for one namespace")

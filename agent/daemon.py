@@ -14,13 +14,11 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-import zmq
 from prometheus_client import start_http_server
 
 from kvdir.agent.config import AgentConfig
-from kvdir.agent.events.ingest import EngineIngest
-from kvdir.agent.events.metrics import EventsCollector
 from kvdir.agent.fetcher import Fetcher, PeerCache
+from kvdir.agent.gpu_pool import GpuTier, GpuTierError
 from kvdir.agent.metrics import AgentMetrics
 from kvdir.agent.pool import KvPool
 from kvdir.agent.publisher import Holding, NodeIdentity, Publisher, PublisherLimits
@@ -66,7 +64,8 @@ class AgentDaemon:
         except SecurityConfigError as e:
             raise AgentStartError(str(e)) from e
         self.directory = DirectoryClient(list(cfg.directory), timeout_s=5.0, security=self.security)
-        self.ingests: list[EngineIngest] = []
+        self.ingests: list[Any] = []
+        """EngineIngest of each [[engines]] entry (imported only then: pyzmq, cbor2)."""
         self._servers: list[grpc.Server] = []
         self._metrics_server: Any = None
 
@@ -89,9 +88,9 @@ class AgentDaemon:
                     items.append(
                         (
                             h.block_hash,
-                            st.pool.slot_address(slot),
+                            st.block_address(slot),
                             st.pool.geometry.slot_bytes,
-                            st.region.rkey,
+                            st.block_rkey,
                             h.generation,
                         )
                     )
@@ -133,9 +132,12 @@ class AgentDaemon:
             )
         except (ValueError, TransferError) as e:
             raise AgentStartError(f"cannot start the transfer engine: {e}") from e
-        for ns, pool, tier in opened:
+        for (ns, pool, tier), pc in zip(opened, cfg.pools, strict=True):
             region = self.engine.register(pool.view)
-            self.pools[ns_key(ns)] = PoolState(ns, pool, region, tier)
+            state = PoolState(ns, pool, region, tier)
+            if tier == pb.TIER_GPU:
+                self._attach_gpu_tier(state, pc.gpu_device)
+            self.pools[ns_key(ns)] = state
         node = NodeIdentity(
             cfg.node_id, cfg.host, cfg.listen, tuple(self.engine.names), cfg.lease_ms
         )
@@ -164,6 +166,8 @@ class AgentDaemon:
             self.directory,
             PeerCache(self.engine, cfg.node_id, self.security),
             timeout_s=cfg.fetch_timeout_ms / 1000,
+            host=cfg.host,
+            rdma_gpu=cfg.rdma_gpu,
         )
         self.core = AgentCore(cfg.node_id, self.pools, self.engine, p, self.fetcher, self.metrics)
         self._serve()
@@ -179,10 +183,33 @@ class AgentDaemon:
             },
         )
 
+    def _attach_gpu_tier(self, state: PoolState, device: int) -> None:
+        """Give a TIER_GPU pool its device slots, exported through the cuda transport.
+
+        Slots held in the pool file from before a restart are not in the new
+        device memory: they are dropped (generation bumped, as a free does)
+        before anything is published.
+        """
+        assert self.engine is not None
+        try:
+            gpu = GpuTier.open(state.pool, device)
+        except GpuTierError as e:
+            raise AgentStartError(f"cannot set up the GPU tier: {e}") from e
+        state.pool.free([s for s, _ in state.pool.stored()])
+        state.gpu = gpu
+        state.gpu_rkey = self.engine.register_device(gpu.buffer()).rkey
+        if self.cfg.rdma_gpu:
+            log.warning("rdma_gpu is on: the remote-GPU path is UNVERIFIED (docs/gpu.md)")
+
     def _start_engines(self, node: NodeIdentity, limits: PublisherLimits) -> None:
         """Ingest each configured stock engine's KV events (index-only holders)."""
         if not self.cfg.engines:
             return
+        import zmq
+
+        from kvdir.agent.events.ingest import EngineIngest
+        from kvdir.agent.events.metrics import EventsCollector
+
         self.metrics.registry.register(EventsCollector(lambda: self.ingests))
         for ec in self.cfg.engines:
             ingest = EngineIngest(ec, self.directory, node, limits)
@@ -252,6 +279,8 @@ class AgentDaemon:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         for st in self.pools.values():
+            if st.gpu is not None:
+                st.gpu.close()
             st.pool.close()
         self.directory.close()
         log.info("agent stopped", extra={"node_id": self.cfg.node_id})

@@ -74,6 +74,8 @@ class EngineClient:
             ) from e
         self.node_id = resp.node_id
         self.pools = {_key(p.namespace): _AttachedPool(p) for p in resp.pools}
+        self.device_transports = {t.name: dict(t.params) for t in resp.transports}
+        """The agent's cuda descriptor, when it has GPU pools (agent/gpu_kv.py maps them)."""
         self._queue: deque[_Item] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()

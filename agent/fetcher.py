@@ -1,10 +1,13 @@
 """The fetch path: find a holder, pull its blocks into our slots, validate.
 
 1. Directory lookup of the chain (local read), excluding ourselves.
-2. Holder choice: longest prefix; among equals same host first (shm), then a
-   random one (spreads load); peers that failed recently are skipped.
+2. Holder choice (agent/holders.py): longest prefix, then the cheapest path
+   (same-host GPU over CUDA IPC, remote GPU (unverified, behind a flag), the
+   holder's host copy), then same host, then random; peers that failed
+   recently are skipped.
 3. One batched transfer of every needed block straight into the caller's
-   slots, *then* one batched read of the holder's slot headers.
+   slots (host slots, or the slots of our GPU tier: one kernel), *then* one
+   batched read of the holder's slot headers (host memory, whatever the tier).
 4. Validation (required: a one-sided read gives the holder no chance to
    refuse): block i is valid only if the holder's header still says STORED,
    the hash is chain[i] and the generation is the one the directory published.
@@ -24,13 +27,17 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
+import numpy as np
 
+from kvdir.agent import holders
+from kvdir.agent.gpu_pool import GpuTier, slot_of
 from kvdir.agent.pool import HEADER_BYTES, KvPool, valid_prefix
 from kvdir.core.client import DirectoryClient, DirectoryError, records
 from kvdir.core.security import PLAIN, ClientSecurity
 from kvdir.core.wire import AGENT_WIRE_VERSION, BadNamespace, namespace_key
 from kvdir.transfer.base import Channel, Read, TransferError
 from kvdir.transfer.engine import Descriptor, TransferEngine
+from kvdir.transfer.paged import SegmentBatch
 from kvdir.transfer.shm import host_identity
 from kvdir.v1 import agent_pb2 as apb
 from kvdir.v1 import agent_pb2_grpc as apb_grpc
@@ -66,6 +73,10 @@ class FetchResult:
     bytes: int = 0
     invalidated: int = 0
     seconds: float = 0.0
+    path: str = ""
+    """holders.CUDA, holders.HOST, ... (empty when nothing was read)."""
+    read_seconds: float = 0.0
+    """From the first byte read to validated (the data path, without the lookup)."""
 
 
 @dataclass(slots=True)
@@ -76,6 +87,13 @@ class Peer:
     pools: dict[str, apb.PoolInfo]
     transport: str
     channel: Channel
+    device_channel: Channel | None = None
+    """The peer's GPU regions (cuda transport), when both sides have it on one host."""
+
+    def close(self) -> None:
+        self.channel.close()
+        if self.device_channel is not None:
+            self.device_channel.close()
 
 
 @dataclass(slots=True)
@@ -98,14 +116,14 @@ class PeerCache:
             self.cooldown[node_id] = time.monotonic() + PEER_COOLDOWN_S
             peer = self.peers.pop((node_id, endpoint), None)
         if peer is not None:
-            peer.channel.close()
+            peer.close()
 
     def close(self) -> None:
         """Close every cached channel (agent shutdown)."""
         with self.lock:
             peers, self.peers = list(self.peers.values()), {}
         for peer in peers:
-            peer.channel.close()
+            peer.close()
 
     def get(self, node_id: str, endpoint: str) -> Peer:
         with self.lock:
@@ -138,14 +156,13 @@ class PeerCache:
         name, channel = self.engine.open_channel(offered)
         same_host = any(d.params.get("host_id") == host_identity() for d in offered)
         pools = _pools_by_key(resp.pools)
-        return Peer(
-            node_id,
-            resp.incarnation,
-            same_host,
-            pools,
-            name,
-            channel,
-        )
+        device: Channel | None = None
+        if same_host and "cuda" in self.engine.transports:
+            try:
+                device = self.engine.open_device_channel(offered)
+            except TransferError:
+                device = None  # no GPU regions offered: the host path serves
+        return Peer(node_id, resp.incarnation, same_host, pools, name, channel, device)
 
 
 class Fetcher:
@@ -156,8 +173,14 @@ class Fetcher:
         peers: PeerCache,
         rng: random.Random | None = None,
         timeout_s: float = 5.0,
+        host: str = "",
+        rdma_gpu: bool = False,
     ) -> None:
+        """`host`: the address this agent publishes (same-host holders share it);
+        `rdma_gpu`: allow the unverified remote-GPU path in holder choice."""
         self.node_id = node_id
+        self.host = host
+        self.rdma_gpu = rdma_gpu
         self.directory = directory
         self.peers = peers
         self.rng = rng or random.Random()
@@ -172,7 +195,10 @@ class Fetcher:
         chain: list[bytes],
         slots: list[int],
         timeout_s: float | None = None,
+        gpu: GpuTier | None = None,
     ) -> FetchResult:
+        """Pull `chain` into `slots` of `pool` (and, with `gpu`, of its GPU tier:
+        the slots' KV then lives in device memory, their host copies untouched)."""
         if len(chain) != len(slots):
             raise FetchError(f"{len(chain)} blocks but {len(slots)} destination slots")
         for s in slots:
@@ -187,12 +213,13 @@ class Fetcher:
             log.warning("lookup for fetch failed", extra={"error": str(e)})
             return FetchResult(seconds=time.perf_counter() - t0)
         result = FetchResult()
-        for match in self._candidates(resp.matches)[:HOLDERS_TRIED_MAX]:
+        for cand in self._candidates(resp.matches, gpu is not None)[:HOLDERS_TRIED_MAX]:
+            match = cand.match
             left = deadline - time.perf_counter()
             if left <= 0:
                 break
             try:
-                result = self._pull(ns, pool, chain, slots, match, left)
+                result = self._pull(ns, pool, chain, slots, cand, left, gpu)
                 break
             except (TransferError, OSError) as e:
                 log.warning(
@@ -202,20 +229,14 @@ class Fetcher:
         result.seconds = time.perf_counter() - t0
         return result
 
-    def _candidates(self, matches: Sequence[pb.NodeMatch]) -> list[pb.NodeMatch]:
-        usable = [
-            m
-            for m in matches
-            if m.prefix_blocks > 0
-            and m.agent_endpoint
-            and self.peers.healthy(m.node_id)
-            and m.addresses
-        ]
-        keyed = [
-            (-m.prefix_blocks, "shm" not in m.transports, self.rng.random(), i)
-            for i, m in enumerate(usable)
-        ]
-        return [usable[k[3]] for k in sorted(keyed)]
+    def _candidates(
+        self, matches: Sequence[pb.NodeMatch], gpu_pool: bool
+    ) -> list[holders.Candidate]:
+        reader = holders.Reader(
+            self.host, gpu_pool, "cuda" in self.peers.engine.transports, self.rdma_gpu
+        )
+        healthy = [self.peers.healthy(m.node_id) for m in matches]
+        return holders.rank(matches, reader, healthy, self.rng)
 
     def _pull(
         self,
@@ -223,42 +244,133 @@ class Fetcher:
         pool: KvPool,
         chain: list[bytes],
         slots: list[int],
-        match: pb.NodeMatch,
+        cand: holders.Candidate,
         timeout_s: float,
+        gpu: GpuTier | None,
     ) -> FetchResult:
+        match = cand.match
         peer = self.peers.get(match.node_id, match.agent_endpoint)
         info = peer.pools.get(namespace_key(ns))
         if info is None:
             raise TransferError(f"{peer.node_id} has no pool for this namespace")
-        rec = records(match)
-        n = min(match.prefix_blocks, len(chain))
-        slot_bytes = pool.geometry.slot_bytes
-        data, headers = [], []
-        for i in range(n):
-            length = rec.lengths[i]
-            if length > slot_bytes:
-                n = i  # the holder's block does not fit our slot: stop the prefix here
-                break
-            data.append(Read(rec.addresses[i], rec.rkeys[i], length, pool.data_offset(slots[i])))
-            remote_slot = (rec.addresses[i] - info.data_address) // info.slot_bytes
-            headers.append(
-                Read(
-                    info.header_address + remote_slot * HEADER_BYTES,
-                    rec.rkeys[i],
-                    HEADER_BYTES,
-                    i * HEADER_BYTES,
-                )
-            )
+        src = _sources(info, match, min(cand.blocks, len(chain)), pool.geometry.slot_bytes)
+        n = len(src.addresses)
+        path = cand.path
+        if path == holders.CUDA and (peer.device_channel is None or gpu is None):
+            path = holders.HOST  # the handshake found no GPU regions we can map
+        transport = "cuda" if path == holders.CUDA else peer.transport
         if n == 0:
-            return FetchResult(source_node=peer.node_id, transport=peer.transport)
-        t_end = time.perf_counter() + timeout_s
-        moved = peer.channel.read(data, pool.view, timeout_s)
+            return FetchResult(source_node=peer.node_id, transport=transport, path=path)
+        t_read = time.perf_counter()
+        t_end = t_read + timeout_s
+        if path == holders.CUDA:
+            assert gpu is not None and peer.device_channel is not None
+            moved = _read_gpu(peer.device_channel, info, match, src, slots, gpu, timeout_s)
+        else:  # HOST, and RDMA_GPU until that path is verified (docs/gpu.md)
+            data = [
+                Read(a, info.rkey if src.gpu else r, ln, pool.data_offset(slots[i]))
+                for i, (a, r, ln) in enumerate(
+                    zip(src.host_addresses, src.rkeys, src.lengths, strict=True)
+                )
+            ]
+            moved = peer.channel.read(data, pool.view, timeout_s)
         if self.after_data is not None:
             self.after_data()
-        scratch = bytearray(n * HEADER_BYTES)
-        peer.channel.read(headers, memoryview(scratch), max(0.001, t_end - time.perf_counter()))
-        valid = valid_prefix(scratch, chain[:n], rec.generations[:n])
+        left = max(0.001, t_end - time.perf_counter())
+        valid = valid_prefix(_headers(peer.channel, info, src, left), chain[:n], src.generations)
+        if gpu is not None and path != holders.CUDA and valid:
+            gpu.upload(slots[:valid], max(0.001, t_end - time.perf_counter()))
         invalid = n - valid
         if invalid:
             self.validation_failures += 1
-        return FetchResult(valid, peer.node_id, peer.transport, moved, invalid)
+        return FetchResult(
+            valid, peer.node_id, transport, moved, invalid, path=path,
+            read_seconds=time.perf_counter() - t_read,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class _Sources:
+    """Where the leading blocks of a holder's prefix are: their published records,
+    and the host copy and header of each (derived from the holder's pool geometry)."""
+
+    gpu: bool
+    addresses: list[int]
+    rkeys: list[int]
+    lengths: list[int]
+    generations: list[int]
+    host_addresses: list[int]
+    header_addresses: list[int]
+    header_rkey: int
+    """Headers live in the holder's host pool (its rkey), whatever the data's tier."""
+
+
+def _sources(info: apb.PoolInfo, match: pb.NodeMatch, n: int, slot_bytes: int) -> _Sources:
+    """The first `n` blocks of `match` as reads; the prefix stops at the first block
+    that does not fit our slots or names no slot of the holder's pool."""
+    rec = records(match)
+    gpu = bool(rec.tiers) and rec.tiers[0] == pb.TIER_GPU and info.gpu_rkey != 0
+    out = _Sources(gpu, [], [], [], [], [], [], info.rkey)
+    for i in range(min(n, len(rec.addresses))):
+        addr, length = rec.addresses[i], rec.lengths[i]
+        if gpu:
+            slot = slot_of(info.gpu_address, info.slot_bytes, info.slots, addr)
+        else:
+            off = addr - info.data_address
+            slot = off // info.slot_bytes if info.slot_bytes and off >= 0 else -1
+        if length > slot_bytes or slot < 0 or slot >= info.slots:
+            break
+        out.addresses.append(addr)
+        out.rkeys.append(rec.rkeys[i])
+        out.lengths.append(length)
+        out.generations.append(rec.generations[i])
+        out.host_addresses.append(info.data_address + slot * info.slot_bytes if gpu else addr)
+        out.header_addresses.append(info.header_address + slot * HEADER_BYTES)
+    return out
+
+
+HEADER_SPAN_FACTOR_MAX = 8
+"""Read the headers as one span when it is at most this many times their bytes."""
+
+
+def _headers(channel: Channel, info: apb.PoolInfo, src: _Sources, timeout_s: float) -> bytes:
+    """The holder's headers of `src`'s blocks, in block order, read *after* the data.
+
+    Blocks sit in scattered slots; one read of the span that covers them (a few
+    KiB for thousands of blocks) costs less than a read per 64-byte header."""
+    addrs = np.asarray(src.header_addresses, np.int64)
+    lo, hi = int(addrs.min()), int(addrs.max()) + HEADER_BYTES
+    n = len(addrs)
+    if hi - lo <= HEADER_SPAN_FACTOR_MAX * n * HEADER_BYTES:
+        span = bytearray(hi - lo)
+        channel.read([Read(lo, src.header_rkey, hi - lo, 0)], memoryview(span), timeout_s)
+        rows = np.frombuffer(span, np.uint8).reshape(-1, HEADER_BYTES)
+        return rows[(addrs - lo) // HEADER_BYTES].tobytes()
+    reads = [Read(a, src.header_rkey, HEADER_BYTES, i * HEADER_BYTES) for i, a in enumerate(addrs)]
+    scratch = bytearray(n * HEADER_BYTES)
+    channel.read(reads, memoryview(scratch), timeout_s)
+    return bytes(scratch)
+
+
+def _read_gpu(
+    channel: Channel,
+    info: apb.PoolInfo,
+    match: pb.NodeMatch,
+    src: _Sources,
+    slots: list[int],
+    gpu: GpuTier,
+    timeout_s: float,
+) -> int:
+    """The holder's GPU slots straight into our GPU tier's `slots`: one kernel."""
+    from kvdir.transfer.cuda_ipc import CudaIpcChannel
+
+    if not src.gpu or not isinstance(channel, CudaIpcChannel):
+        raise TransferError(f"{match.node_id}'s records are not GPU regions we can map")
+    n = len(src.addresses)
+    batch = SegmentBatch(
+        info.gpu_rkey,
+        np.asarray(src.addresses, np.int64),
+        np.asarray(slots[:n], np.int64) * gpu.slot_bytes,
+        np.asarray(src.lengths, np.int64),
+    )
+    return channel.read_batch(batch, gpu.buffer(), timeout_s)

@@ -15,6 +15,7 @@ from typing import NoReturn, cast
 import grpc
 
 from kvdir.agent.fetcher import Fetcher, FetchError
+from kvdir.agent.gpu_pool import GpuTier
 from kvdir.agent.metrics import AgentMetrics
 from kvdir.agent.pool import STORED, KvPool, PoolError
 from kvdir.agent.publisher import Publisher
@@ -41,6 +42,20 @@ class PoolState:
     index: dict[bytes, int] = field(default_factory=dict)
     """block hash -> slot holding it (verified against the header on use)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    gpu: GpuTier | None = None
+    """The agent-owned device slots of a TIER_GPU pool (agent/gpu_pool.py)."""
+    gpu_rkey: int = 0
+
+    def block_address(self, slot: int) -> int:
+        """What the directory publishes for the block in `slot` (GPU address for a
+        GPU pool, the host slot otherwise); one place, so removes match stores."""
+        if self.gpu is not None:
+            return self.gpu.slot_address(slot)
+        return self.pool.slot_address(slot)
+
+    @property
+    def block_rkey(self) -> int:
+        return self.gpu_rkey if self.gpu is not None else self.region.rkey
 
     def info(self) -> apb.PoolInfo:
         g = self.pool.geometry
@@ -54,6 +69,9 @@ class PoolState:
             rkey=self.region.rkey,
             path=self.pool.mem.path,
             tier=cast("pb.Tier.ValueType", self.tier),
+            gpu_address=self.gpu.address if self.gpu else 0,
+            gpu_rkey=self.gpu_rkey if self.gpu else 0,
+            gpu_device=self.gpu.device if self.gpu else 0,
         )
 
     def local_prefix(self, chain: Sequence[bytes]) -> list[int]:
@@ -174,6 +192,11 @@ class EngineService(apb_grpc.EngineServicer):
             node_id=self.core.node_id,
             incarnation=self.core.publisher.incarnation,
             pools=[p.info() for p in self.core.pools.values()],
+            transports=[
+                apb.TransportDescriptor(name=d.name, params=d.params)
+                for d in self.core.engine.descriptors()
+                if d.name == "cuda"
+            ],
         )
 
     def Allocate(
@@ -208,7 +231,7 @@ class EngineService(apb_grpc.EngineServicer):
                 state.tier,
                 [h.block_hash for _, h in gone],
                 [h.generation for _, h in gone],
-                [state.pool.slot_address(s) for s, _ in gone],
+                [state.block_address(s) for s, _ in gone],
             )
         return apb.FreeResponse(freed=len(freed))
 
@@ -247,7 +270,7 @@ class EngineService(apb_grpc.EngineServicer):
                 state.tier,
                 list(request.removed_hashes),
                 list(request.removed_generations),
-                [pool.slot_address(s) for s in slots],
+                [state.block_address(s) for s in slots],
             )
         self._stored(state, request)
         return apb.NotifyResponse()
@@ -269,7 +292,7 @@ class EngineService(apb_grpc.EngineServicer):
                 stale += 1
                 continue
             hashes.append(h)
-            addrs.append(pool.slot_address(s))
+            addrs.append(state.block_address(s))
             gens.append(g)
             with state.lock:
                 state.index[h] = s
@@ -283,7 +306,7 @@ class EngineService(apb_grpc.EngineServicer):
                 hashes,
                 addrs,
                 [pool.geometry.slot_bytes] * n,
-                [state.region.rkey] * n,
+                [state.block_rkey] * n,
                 gens,
             )
 
@@ -322,7 +345,9 @@ class EngineService(apb_grpc.EngineServicer):
             )
         timeout = request.timeout_ms / 1000 if request.timeout_ms else None
         try:
-            r = self.core.fetcher.fetch(request.namespace, state.pool, chain, slots, timeout)
+            r = self.core.fetcher.fetch(
+                request.namespace, state.pool, chain, slots, timeout, gpu=state.gpu
+            )
         except (FetchError, PoolError) as e:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         m = self.core.metrics
@@ -341,4 +366,6 @@ class EngineService(apb_grpc.EngineServicer):
             bytes=r.bytes,
             invalidated=r.invalidated,
             seconds=r.seconds,
+            read_seconds=r.read_seconds,
+            path=r.path,
         )

@@ -128,6 +128,8 @@ extern "C" __global__ void kvdir_copy_blocks(const long long* __restrict__ p) {
                (unsigned long long)seg);
 }
 """
+COPY_KERNEL_SOURCE = _KERNEL
+"""The copy device function and kernels, for modules that add kernels of their own."""
 
 
 class CudaUnavailable(ValueError):
@@ -710,3 +712,9 @@ def bare_copy(cp: Any, device: int, dst: int, src: int, nbytes: int) -> None:
     """One cudaMemcpy device-to-device (the baseline a batched read is compared with)."""
     with cp.cuda.Device(device):
         cp.cuda.runtime.memcpy(dst, src, nbytes, _MEMCPY_DEVICE_TO_DEVICE)
+
+
+load_cupy = _cupy
+"""CuPy, or CudaUnavailable saying why not (for the GPU modules built on this one)."""
+wait_event = _wait
+"""Until a CUDA event completed, or TransferError at the deadline (spin, then yield)."""

@@ -49,6 +49,9 @@ class PoolInfo(_message.Message):
     RKEY_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
     TIER_FIELD_NUMBER: _builtins.int
+    GPU_ADDRESS_FIELD_NUMBER: _builtins.int
+    GPU_RKEY_FIELD_NUMBER: _builtins.int
+    GPU_DEVICE_FIELD_NUMBER: _builtins.int
     header_address: _builtins.int
     header_bytes: _builtins.int
     data_address: _builtins.int
@@ -58,6 +61,15 @@ class PoolInfo(_message.Message):
     path: _builtins.str
     """the pool file (engines on this node map it read-write)"""
     tier: _directory_pb2.Tier.ValueType
+    gpu_address: _builtins.int
+    """TIER_GPU pools: the agent-owned device slots (docs/gpu.md). Slot s's KV is
+    `slot_bytes` at gpu_address + s x slot_bytes, readable through the cuda
+    transport's region `gpu_rkey`; its header is header s above and its host
+    copy (what tcp, shm and rdma serve) data slot s. The directory publishes
+    a GPU pool's blocks at their GPU address under gpu_rkey.
+    """
+    gpu_rkey: _builtins.int
+    gpu_device: _builtins.int
     @_builtins.property
     def namespace(self) -> _directory_pb2.Namespace: ...
     def __init__(
@@ -72,10 +84,13 @@ class PoolInfo(_message.Message):
         rkey: _builtins.int = ...,
         path: _builtins.str = ...,
         tier: _directory_pb2.Tier.ValueType = ...,
+        gpu_address: _builtins.int = ...,
+        gpu_rkey: _builtins.int = ...,
+        gpu_device: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_address", b"data_address", "header_address", b"header_address", "header_bytes", b"header_bytes", "namespace", b"namespace", "path", b"path", "rkey", b"rkey", "slot_bytes", b"slot_bytes", "slots", b"slots", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_address", b"data_address", "gpu_address", b"gpu_address", "gpu_device", b"gpu_device", "gpu_rkey", b"gpu_rkey", "header_address", b"header_address", "header_bytes", b"header_bytes", "namespace", b"namespace", "path", b"path", "rkey", b"rkey", "slot_bytes", b"slot_bytes", "slots", b"slots", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -354,20 +369,26 @@ class AttachResponse(_message.Message):
     NODE_ID_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
     POOLS_FIELD_NUMBER: _builtins.int
+    TRANSPORTS_FIELD_NUMBER: _builtins.int
     node_id: _builtins.str
     incarnation: _builtins.int
     @_builtins.property
     def pools(self) -> _containers.RepeatedCompositeFieldContainer[Global___PoolInfo]: ...
+    @_builtins.property
+    def transports(self) -> _containers.RepeatedCompositeFieldContainer[Global___TransportDescriptor]:
+        """The agent's device transports (cuda): how the engine maps GPU pools."""
+
     def __init__(
         self,
         *,
         node_id: _builtins.str = ...,
         incarnation: _builtins.int = ...,
         pools: _abc.Iterable[Global___PoolInfo] | None = ...,
+        transports: _abc.Iterable[Global___TransportDescriptor] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "node_id", b"node_id", "pools", b"pools"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["incarnation", b"incarnation", "node_id", b"node_id", "pools", b"pools", "transports", b"transports"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -660,6 +681,8 @@ class FetchResponse(_message.Message):
     BYTES_FIELD_NUMBER: _builtins.int
     INVALIDATED_FIELD_NUMBER: _builtins.int
     SECONDS_FIELD_NUMBER: _builtins.int
+    READ_SECONDS_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
     valid_blocks: _builtins.int
     """leading blocks now valid in the given slots"""
     source_node: _builtins.str
@@ -668,6 +691,10 @@ class FetchResponse(_message.Message):
     invalidated: _builtins.int
     """blocks that landed but failed validation"""
     seconds: _builtins.float
+    read_seconds: _builtins.float
+    """of `seconds`: data read, header read and validation"""
+    path: _builtins.str
+    """"cuda" (same-host GPU), "host" (the holder's host copy), ..."""
     def __init__(
         self,
         *,
@@ -677,10 +704,12 @@ class FetchResponse(_message.Message):
         bytes: _builtins.int = ...,
         invalidated: _builtins.int = ...,
         seconds: _builtins.float = ...,
+        read_seconds: _builtins.float = ...,
+        path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "invalidated", b"invalidated", "seconds", b"seconds", "source_node", b"source_node", "transport", b"transport", "valid_blocks", b"valid_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "invalidated", b"invalidated", "path", b"path", "read_seconds", b"read_seconds", "seconds", b"seconds", "source_node", b"source_node", "transport", b"transport", "valid_blocks", b"valid_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,165 @@
+"""The agent-owned GPU tier: a pool's slots in device memory, headers in the host file.
+
+A namespace configured with ``tier = "gpu"`` keeps its KV in one device
+allocation of the agent (`GpuTier`): slot s is ``slot_bytes`` at
+``address + s * slot_bytes``, exported to same-host processes through CUDA
+IPC (the `cuda` transport, its own rkey). Everything else about the slot
+stays in the pool file (agent/pool.py), unchanged:
+
+- header s (generation, state, hash) is the truth readers validate against,
+  in host memory, so the engine, the agent and same-host peers read it
+  without touching the GPU;
+- data slot s is the block's host copy, written by the engine's save path
+  before the block is marked STORED; tcp, shm and rdma serve it to readers
+  that cannot map the GPU (other hosts). The pool mapping is page-locked
+  (cudaHostRegister) so host copies move by DMA or by the copy kernel.
+
+Why agent-owned slots rather than the engine's own paged blocks: a one-sided
+reader must never get a block that was freed and rewritten after its lookup,
+which needs the generation bumped before anything can rewrite the block. The
+agent and the engine library control every rewrite of these slots (allocate,
+free, evict bump first, as for host pools); vLLM reuses its own blocks inside
+its scheduler with no hook that runs before the worker overwrites them
+(docs/gpu.md, "Why not vLLM's own blocks"). The price is one device-to-device
+copy per saved block, on a side stream.
+
+The directory publishes a GPU pool's block at its GPU address under the GPU
+rkey (tier GPU); a reader maps that back to slot s and from there to header s
+and host copy s (`slot_of`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvdir.agent.pool import KvPool
+from kvdir.transfer.base import TransferError
+from kvdir.transfer.cuda_ipc import GpuBuffer, cuda_errors, load_cupy, wait_event
+
+log = logging.getLogger("kvdir.agent.gpu")
+
+HOST_REGISTER_PORTABLE_MAPPED = 3
+"""cudaHostRegisterPortable | cudaHostRegisterMapped: usable by every context,
+and addressable by kernels (the copy kernel reads and writes host copies)."""
+
+
+_HOST_TO_DEVICE = 1
+
+
+class GpuTierError(ValueError):
+    """The GPU tier cannot be set up here (no CUDA, not enough device memory)."""
+
+
+def slot_of(gpu_address: int, slot_bytes: int, slots: int, address: int) -> int:
+    """The slot a published GPU address names, or -1 when it names none."""
+    off = address - gpu_address
+    if slot_bytes <= 0 or off < 0 or off % slot_bytes:
+        return -1
+    slot = off // slot_bytes
+    return slot if slot < slots else -1
+
+
+@dataclass
+class GpuTier:
+    """One pool's device slots (owned by the agent) and its page-locked host file."""
+
+    device: int
+    address: int
+    slot_bytes: int
+    slots: int
+    memory: Any
+    """The CuPy allocation (a plain cudaMalloc: CUDA IPC cannot export pool chunks)."""
+    pinned_host: bool
+    """The pool mapping is page-locked (kernels may address the host copies)."""
+    host_data: int
+    """Address of data slot 0 (the host copies) in the agent's pool mapping."""
+    _copier: Any = field(default=None, repr=False)
+    unpin: int = 0
+    """The mapping this tier page-locked (0: none, or someone else did)."""
+
+    @classmethod
+    def open(cls, pool: KvPool, device: int) -> GpuTier:
+        """Allocate `pool`'s slots on `device` (zeroed) and page-lock its mapping."""
+        try:
+            cp = load_cupy()
+        except ValueError as e:
+            raise GpuTierError(str(e)) from e
+        g = pool.geometry
+        nbytes = g.slots * g.slot_bytes
+        try:
+            with cp.cuda.Device(device):
+                memory = cp.cuda.Memory(nbytes)
+                cp.cuda.runtime.memset(memory.ptr, 0, nbytes)
+        except (*cuda_errors(cp), cp.cuda.memory.OutOfMemoryError) as e:
+            raise GpuTierError(f"cannot allocate {nbytes} B on GPU {device}: {e}") from e
+        pinned, owned = pin_host(cp, pool.base_address, g.size)
+        address = int(memory.ptr)
+        tier = cls(device, address, g.slot_bytes, g.slots, memory, pinned, pool.data_address)
+        tier.unpin = pool.base_address if owned else 0
+        return tier
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    def buffer(self) -> GpuBuffer:
+        return GpuBuffer(self.address, self.nbytes, self.device, self.memory)
+
+    def slot_address(self, slot: int) -> int:
+        """The GPU address the directory publishes for the block in `slot`."""
+        return self.address + slot * self.slot_bytes
+
+    def upload(self, slots: Sequence[int], timeout_s: float) -> None:
+        """Host copies of `slots` (fetched over a host path) into the device slots:
+        one kernel reading the page-locked pool, or one copy per slot if unpinned."""
+        from kvdir.transfer.cuda_blocks import BlockCopier, PlaneSet
+
+        if not slots:
+            return
+        deadline = time.perf_counter() + timeout_s
+        cp = load_cupy()
+        if not self.pinned_host:
+            with cp.cuda.Device(self.device):
+                for s in slots:
+                    cp.cuda.runtime.memcpy(
+                        self.slot_address(s), self.host_data + s * self.slot_bytes,
+                        self.slot_bytes, _HOST_TO_DEVICE,
+                    )  # fmt: skip
+            return
+        if self._copier is None:
+            self._copier = BlockCopier(self.device)
+        host = PlaneSet((self.host_data,), self.slot_bytes, self.slots)
+        dev = PlaneSet((self.address,), self.slot_bytes, self.slots)
+        done = self._copier.launch(host, slots, dev, slots, self.slot_bytes)
+        try:
+            wait_event(done, deadline, "upload of host copies to the GPU tier")
+        except cuda_errors(cp) as e:
+            raise TransferError(f"upload to the GPU tier failed: {e}") from e
+
+    def close(self) -> None:
+        cp = load_cupy()
+        if self.unpin:
+            with contextlib.suppress(*cuda_errors(cp)):
+                cp.cuda.runtime.hostUnregister(self.unpin)
+            self.unpin = 0
+        self.memory = None
+
+
+def pin_host(cp: Any, address: int, nbytes: int) -> tuple[bool, bool]:
+    """Page-lock [address, +nbytes) for the GPU: (pinned, by this call).
+
+    Already registered in this process (the agent's tier and a test's movers
+    share one mapping) counts as pinned; only whoever pinned it unpins it."""
+    try:
+        cp.cuda.runtime.hostRegister(address, nbytes, HOST_REGISTER_PORTABLE_MAPPED)
+    except cuda_errors(cp) as e:
+        if "AlreadyRegistered" in str(e):
+            return True, False
+        log.warning("cudaHostRegister of the pool failed; host copies are pageable: %s", e)
+        return False, False
+    return True, True
