@@ -109,12 +109,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+SIGNAL_CHECK_S = 0.25
+"""How often the main thread wakes to run a pending signal handler (see below)."""
+
+
 def _until_signal() -> None:
-    """Block until SIGTERM or SIGINT (systemd's stop, or ^C)."""
+    """Block until SIGTERM or SIGINT (systemd's stop, or ^C).
+
+    The wait is bounded because Python runs signal handlers only in the main
+    thread, between bytecodes: when the kernel delivers the signal to another
+    thread (the CUDA driver's, in an agent with a GPU tier), a main thread
+    blocked in an unbounded wait never runs the handler and the process
+    ignores its stop (seen on the H200: the agent outlived SIGTERM).
+    """
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+    while not stop.wait(SIGNAL_CHECK_S):
+        pass
 
 
 # ----------------------------------------------------------------- agent

@@ -34,6 +34,7 @@ from kvdir.agent.engine_client import EngineClient
 from kvdir.agent.gpu_kv import GpuKvMover, block_digest, map_tier
 from kvdir.core.client import namespace
 from kvdir.core.wire import namespace_key
+from kvdir.transfer.cuda_blocks import external_stream
 from kvdir.transfer.cuda_ipc import bare_copy, load_cupy
 
 WAIT_S = 60.0
@@ -195,6 +196,7 @@ class Worker:
             out["fetch"] = self._fetch(tokens, chain, ids, table, n, reps)
             out["digests"] = block_digest(self.layers, ids[:nb])
             out["bare_copy_s"] = self._bare(nb * self.mover.block_bytes, reps)
+            out["load_kernel_s"] = self._load_kernel(ids[:nb], reps)
         finally:
             self.free_blocks += ids
         return out
@@ -248,6 +250,23 @@ class Worker:
             cold=cold,
         )
         return res
+
+    def _load_kernel(self, ids: list[int], reps: int) -> float:
+        """GPU time (CUDA events) of the worker's batched load of len(ids) blocks:
+        parameter upload and kernel, without the host's launch and wait."""
+        cp = load_cupy()
+        st = external_stream(cp, self.mover.load_stream)
+        slots = list(range(len(ids)))
+        times = []
+        for rep in range(reps + 1):
+            e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+            e0.record(st)
+            self.mover.load(slots, ids, after=self._stream())
+            e1.record(st)
+            e1.synchronize()
+            if rep:
+                times.append(cp.cuda.get_elapsed_time(e0, e1) / 1e3)
+        return _ms(times)
 
     def _bare(self, nbytes: int, reps: int) -> float:
         """One cudaMemcpy of the fetched bytes (device to device): the baseline."""

@@ -35,3 +35,4 @@ def test_blocks_saved_by_a_load_on_b_byte_identical_and_reuse_is_caught() -> Non
     race = r["race"]
     assert race["detected"], race
     assert r["local_race"] == {"valid": 3, "reused": 3}
+    assert not r["shutdown"]["shutdown_hangs"], "an agent outlived its SIGTERM"
