@@ -30,7 +30,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 import grpc
 
 from kvdir.core.security import authorize_node
-from kvdir.directory import validate
+from kvdir.directory import answer, validate
 from kvdir.directory.commands import (
     ClearNode,
     Expired,
@@ -314,19 +314,7 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
 
     def _fill(self, out: Any, table: Table, matches: list[Match], omit_records: bool) -> None:
         """Append NodeMatch messages to `out` (inside `consensus.read`)."""
-        for m in matches:
-            node = m.node
-            nm = out.add(
-                node_id=node.node_id,
-                prefix_blocks=m.prefix_blocks,
-                host=node.host,
-                agent_endpoint=node.endpoint,
-                transports=node.transports,
-            )
-            if not omit_records:
-                rec = table.packed_records(m.slots)
-                nm.addresses, nm.lengths, nm.rkeys = rec.addresses, rec.lengths, rec.rkeys
-                nm.generations, nm.tiers = rec.generations, rec.tiers
+        answer.fill(out, table, matches, omit_records)
 
     @_rpc
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
