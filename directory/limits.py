@@ -99,6 +99,10 @@ class WatchLimits:
     heartbeat_ms: int = 50
     """An idle stream sends a heartbeat this often (carrying the commit index)."""
     snapshot_chunk_bytes: int = 1024 * 1024
+    stalled_cancel_ms: int = 5_000
+    """A watcher cut off while its stream is blocked (the reader stopped reading and
+    flow control stopped the sends) gets this long to read on and see its status;
+    then the call is cancelled, so a hung reader never holds a worker thread."""
     snapshots_inflight_max: int = 2
     """Snapshots being captured and streamed at once (each copies the table's columns)."""
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 import io
 import logging
 import threading
-from collections.abc import Callable, Iterator
-from typing import Protocol, TypeVar
-
+from collections.abc import Iterator
 import grpc
 
 from kvdir.directory import codec, snapshot, validate
@@ -31,27 +29,15 @@ from kvdir.directory.commands import (
     Remove,
     Result,
 )
+from kvdir.directory.consensus.port import Consensus
 from kvdir.directory.limits import WatchLimits
 from kvdir.directory.watch_hub import Batch, CutOff, Refused, Watcher, WatchHub
 from kvdir.v1 import directory_pb2 as pb
 
 log = logging.getLogger("kvdir.directory.watch")
 
-T = TypeVar("T")
 CAPTURE_TIMEOUT_S = 5.0
 """Longest a new watcher waits for the apply thread to capture its snapshot."""
-
-
-class Feed(Protocol):
-    """What Watch needs from a replica."""
-
-    def applied_index(self) -> int: ...
-
-    def commit_index(self) -> int: ...
-
-    def capture(self, then: Callable[[int], T], timeout_s: float) -> tuple[snapshot.Image, T]:
-        """The table's image between two applies, and `then(index)` run at that same point."""
-        ...
 
 
 def namespace_of(cmd: Command) -> str | None:
@@ -69,24 +55,35 @@ def changes_table(cmd: Command, result: Result) -> bool:
 
 
 class WatchService:
-    def __init__(
-        self, feed: Feed, replica_id: str, limits: WatchLimits, start_index: int = 0
-    ) -> None:
-        self.feed = feed
+    """Watch over one replica's `Consensus`: call `attach` once, before serving."""
+
+    def __init__(self, consensus: Consensus, replica_id: str, limits: WatchLimits) -> None:
+        self.consensus = consensus
         self.replica_id = replica_id
         self.limits = limits
-        self.hub = WatchHub(limits, feed.applied_index, start_index)
+        self.hub = WatchHub(limits, self._applied_index)
         self._snapshots = threading.BoundedSemaphore(limits.snapshots_inflight_max)
 
-    def observe(self, index: int, blob: bytes, cmd: Command, result: Result) -> None:
-        """The apply listener: call after each applied command, before its index counts."""
+    def attach(self) -> None:
+        """Follow the replica's applies and snapshot installs from now on."""
+        self.hub.anchor(self.consensus.add_apply_listener(self.observe, self.hub.reset))
+
+    def _applied_index(self) -> int:
+        return self.consensus.status().applied_index
+
+    def observe(self, index: int, cmd: Command, result: Result) -> None:
+        """The apply listener (consensus thread, before the applied index counts `index`).
+
+        The command is encoded again here, since the port hands decoded commands
+        (the in-memory implementation never had bytes); the codec is canonical,
+        so these are the bytes the log holds."""
         if changes_table(cmd, result):
-            self.hub.committed(index, blob, namespace_of(cmd))
+            self.hub.committed(index, codec.encode(cmd), namespace_of(cmd))
 
     def _event(self, applied: int) -> pb.WatchEvent:
         return pb.WatchEvent(
             applied_index=applied,
-            commit_index=max(self.feed.commit_index(), applied),
+            commit_index=max(self.consensus.status().commit_index, applied),
             replica_id=self.replica_id,
             command_version=codec.VERSION,
         )
@@ -101,6 +98,7 @@ class WatchService:
         except Refused as e:
             context.set_trailing_metadata((("kvdir-reason", e.reason),))
             context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        w.on_cut = lambda: self._cancel_later(context)
         try:
             yield from chunks
             wait_s = self.limits.heartbeat_ms / 1000
@@ -114,13 +112,21 @@ class WatchService:
         finally:
             self.hub.close(w)
 
+    def _cancel_later(self, context: grpc.ServicerContext) -> None:
+        """A cut-off stream whose sends are blocked never reaches its status: cancel it
+        after `stalled_cancel_ms` unless it ended by then (limits.py says why)."""
+        t = threading.Timer(self.limits.stalled_cancel_ms / 1000, context.cancel)
+        t.daemon = True
+        context.add_callback(t.cancel)
+        t.start()
+
     def open(self, req: pb.WatchRequest) -> tuple[Watcher, Iterator[pb.WatchEvent]]:
         """A watcher and the snapshot events to send first (none when resuming).
 
         Raises validate.BadRequest or watch_hub.Refused (a gRPC status name)."""
         nss = frozenset(validate.namespace_key(ns) for ns in req.namespaces) or None
         if req.from_index:
-            w = self.hub.open_from(req.from_index, nss, self.feed.commit_index())
+            w = self.hub.open_from(req.from_index, nss, self._commit_index())
             if w is not None:
                 return w, iter(())
         if not self._snapshots.acquire(blocking=False):
@@ -130,20 +136,27 @@ class WatchService:
                 f"{self.limits.snapshots_inflight_max} watch snapshots in flight; retry soon",
             )
         try:
-            image, opened = self.feed.capture(
-                lambda idx: self.hub.open_at(idx, nss), CAPTURE_TIMEOUT_S
-            )
+            cap = self.consensus.capture(CAPTURE_TIMEOUT_S)
         except TimeoutError as e:
             raise Refused("UNAVAILABLE", "replica-busy", str(e)) from e
         finally:
             self._snapshots.release()
+        # Commands applied since the capture are in the history (it holds far more
+        # than one capture's worth), so the watcher starts exactly at `index`.
+        image, index = cap.image, cap.index
+        opened = self.hub.open_from(index, nss, self._commit_index())
+        if opened is None:
+            raise Refused("UNAVAILABLE", "replica-busy", "commands outran the history; retry")
         try:
             buf = io.BytesIO()
             snapshot.write_to(buf, image, {}, [])
         except BaseException:
             self.hub.close(opened)
             raise
-        return opened, self._chunks(buf.getvalue(), opened.after)
+        return opened, self._chunks(buf.getvalue(), index)
+
+    def _commit_index(self) -> int:
+        return self.consensus.status().commit_index
 
     def _chunks(self, data: bytes, index: int) -> Iterator[pb.WatchEvent]:
         step = self.limits.snapshot_chunk_bytes

@@ -10,9 +10,9 @@ Ordering contracts:
 - `committed` is called after the command was applied to the table and before
   the replica's applied index counts it, so whoever reads an applied index R
   and then finds a watcher's buffer empty knows every command <= R was queued.
-- A watcher opened with `open_at(index)` must be opened atomically with the
-  capture of the snapshot it starts from (no apply in between); one opened
-  with `open_from(n)` gets the history's commands after n.
+- A watcher opened with `open_from(n)` gets the history's commands after n,
+  then every later one; a snapshot at index n plus that stream is the table
+  at every later index (directory/watch.py opens snapshot watchers so).
 - `reset(index)` (the replica installed a snapshot: its table jumped past
   commands the hub never saw) cuts every watcher off; they resume from their
   index and get a snapshot, since the history now starts at `index`.
@@ -82,6 +82,8 @@ class Watcher:
     buffer: deque[Entry] = field(default_factory=deque)
     bytes: int = 0
     cut: CutOff | None = None
+    on_cut: Callable[[], None] | None = None
+    """Called (under the hub's lock: keep it short) when the watcher is cut off."""
 
     def wants(self, e: Entry) -> bool:
         return self.namespaces is None or e.namespace is None or e.namespace in self.namespaces
@@ -89,10 +91,11 @@ class Watcher:
 
 class WatchHub:
     def __init__(
-        self, limits: WatchLimits, applied_index: Callable[[], int], start_index: int = 0
+        self, limits: WatchLimits, applied_index: Callable[[], int], start_index: int | None = None
     ) -> None:
         """`applied_index` is the replica's (read under the hub's lock); the
-        history covers the commands after `start_index`."""
+        history covers the commands after `start_index` (None: after the index
+        given to `anchor`, and no watcher is admitted before it)."""
         assert limits.history_entries_max <= limits.buffer_entries_max
         assert limits.history_bytes_max <= limits.buffer_bytes_max
         self.limits = limits
@@ -100,9 +103,10 @@ class WatchHub:
         self._cond = threading.Condition(threading.Lock())
         self._history: deque[Entry] = deque()
         self._history_bytes = 0
-        self.covered_from = start_index
+        self.covered_from = start_index or 0
         """The history holds every command after this index."""
-        self.last_index = start_index
+        self.last_index = start_index or 0
+        self._anchored = start_index is not None
         self._watchers: dict[int, Watcher] = {}
         self._ids = count(1)
         self.cut_offs = 0
@@ -131,12 +135,22 @@ class WatchHub:
                         self._queue(w, e)
             self._cond.notify_all()
 
+    def anchor(self, index: int) -> None:
+        """The history covers every command after `index` (the replica's listener
+        sees each one after it); commands queued before this call are all later."""
+        with self._cond:
+            if not self._anchored:
+                self._anchored = True
+                self.covered_from = index
+                self.last_index = max(self.last_index, index)
+
     def reset(self, index: int) -> None:
         """The table was replaced by a snapshot at `index`: everyone starts over."""
         with self._cond:
             self._history.clear()
             self._history_bytes = 0
             self.covered_from = self.last_index = index
+            self._anchored = True
             for w in self._watchers.values():
                 self._cut(w, "snapshot-installed", f"this replica installed a snapshot at {index}")
             self._cond.notify_all()
@@ -166,6 +180,8 @@ class WatchHub:
         w.buffer.clear()
         w.bytes = 0
         self.cut_offs += 1
+        if w.on_cut is not None:
+            w.on_cut()
 
     # ------------------------------------------------------ the watch side
 
@@ -183,6 +199,8 @@ class WatchHub:
         """A watcher fed the commands after `from_index`; None if the history no
         longer holds them all (start from a snapshot instead)."""
         with self._cond:
+            if not self._anchored:
+                raise Refused("UNAVAILABLE", "not-ready", "watch is not attached on this replica yet")
             newest = max(self.last_index, commit_index, self._applied())
             if from_index > newest:
                 raise Refused(
@@ -197,15 +215,6 @@ class WatchHub:
             for e in self._history:
                 if e.index > from_index and w.wants(e):
                     self._queue(w, e)
-            self._watchers[w.id] = w
-            return w
-
-    def open_at(self, index: int, namespaces: frozenset[str] | None) -> Watcher:
-        """A watcher starting from a snapshot at `index` (see the module docstring)."""
-        with self._cond:
-            assert index >= self.last_index, (index, self.last_index)
-            self._admit()
-            w = Watcher(next(self._ids), namespaces, index, index)
             self._watchers[w.id] = w
             return w
 

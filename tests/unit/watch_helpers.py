@@ -9,8 +9,6 @@ the apply, before the applied index counts it.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
-from typing import TypeVar
 
 from kvdir.core.mirror import Mirror
 from kvdir.directory import codec, snapshot
@@ -19,8 +17,6 @@ from kvdir.directory.table import Table
 from kvdir.directory.watch import WatchService
 from kvdir.directory.watch_hub import CutOff, Watcher
 from kvdir.v1 import directory_pb2 as pb
-
-T = TypeVar("T")
 
 
 class LocalReplica:
@@ -37,9 +33,9 @@ class LocalReplica:
     def commit_index(self) -> int:
         return self.commit
 
-    def capture(self, then: Callable[[int], T], timeout_s: float) -> tuple[snapshot.Image, T]:
+    def capture(self, timeout_s: float) -> tuple[snapshot.Image, int]:
         with self.lock:
-            return snapshot.capture(self.table), then(self.index)
+            return snapshot.capture(self.table), self.index
 
     def apply(self, blob: bytes, skip: int = 0) -> None:
         index = self.index + 1 + skip
