@@ -276,14 +276,16 @@ class Mirror:
         resp.read.CopyFrom(self.read_info())
         return resp
 
-    def prefixes(self, ns_key: str, chain: Chain, max_nodes: int) -> list[tuple[str, int]]:
-        """(node id, prefix blocks) best first: the routing answer with no messages built.
-
-        `ns_key` is kvdir.core.wire.namespace_key's; raises NotServed when stale."""
+    def holders(
+        self, ns_key: str, chain: Chain, max_nodes: int
+    ) -> list[tuple[str, int, str, frozenset[str]]]:
+        """(node id, prefix blocks, host, transports) best first: the routing answer,
+        with no message built. `ns_key` is kvdir.core.wire.namespace_key's; raises
+        NotServed when stale or not mirrored."""
         self._check(ns_key)
         with self.lock:
             return [
-                (m.node.node_id, m.prefix_blocks)
+                (m.node.node_id, m.prefix_blocks, m.node.host, frozenset(m.node.transports))
                 for m in self.table.lookup(ns_key, chain, max_nodes)
             ]
 
