@@ -17,6 +17,7 @@ import io
 import logging
 import threading
 from collections.abc import Iterator
+
 import grpc
 
 from kvdir.directory import codec, snapshot, validate

@@ -200,7 +200,9 @@ class WatchHub:
         longer holds them all (start from a snapshot instead)."""
         with self._cond:
             if not self._anchored:
-                raise Refused("UNAVAILABLE", "not-ready", "watch is not attached on this replica yet")
+                raise Refused(
+                    "UNAVAILABLE", "not-ready", "watch is not attached on this replica yet"
+                )
             newest = max(self.last_index, commit_index, self._applied())
             if from_index > newest:
                 raise Refused(

@@ -125,7 +125,11 @@ def test_snapshot_install_cuts_everyone_off() -> None:
     s = connect(replica, mirror)
     for blob in log.entries:
         replica.apply(blob)
-    replica.service.hub.reset(replica.index + 10)
+    replica.hold()
+    for _ in range(10):
+        replica.noop()
+    replica.consensus.install_snapshot()  # the table jumps past what the hub saw
+    assert replica.index == replica.commit
     cut = s.drain()
     assert cut is not None and cut.reason == "snapshot-installed"
 
@@ -160,14 +164,16 @@ def test_reads_never_go_backwards() -> None:
     d = mirror.table.digest()
     with pytest.raises(Refused, match="past this replica's commit index"):
         connect(behind, mirror)  # `behind` has not even heard of our index
-    behind.commit = ahead.index  # now it has (committed, not applied yet)
+    behind.hold()
+    for blob in log.entries[60:]:  # now it has (committed, not applied yet)
+        behind.apply(blob)
+    assert behind.index == 60 < at <= behind.commit
     s = connect(behind, mirror)
     mirror.resume_index()
     for ev in behind.service.open(pb.WatchRequest())[1]:  # an older snapshot
         mirror.on_event(ev)
     assert mirror.applied_index == at and mirror.table.digest() == d
-    for blob in log.entries[60:]:  # `behind` catches up: it resends what we have
-        behind.apply(blob)
+    behind.release()  # `behind` catches up: it resends what we have
     s.drain()
     assert mirror.applied_index == at and mirror.table.digest() == d
 
@@ -186,7 +192,9 @@ def test_staleness_and_lag() -> None:
     assert mirror.fresh() and mirror.lag().entries == 0 and mirror.lag().ms == 0
     for blob in log.entries:
         replica.apply(blob)
-    replica.commit += 7  # committed on the leader, not yet applied here
+    replica.hold()
+    for _ in range(7):  # committed on the leader, not yet applied here
+        replica.noop()
     s.drain()
     clock.t += 0.2
     lag = mirror.lag()
@@ -196,7 +204,7 @@ def test_staleness_and_lag() -> None:
     assert not mirror.fresh()
     with pytest.raises(NotServed):
         mirror.lookup(space, [b"x" * 8])
-    replica.index = replica.commit  # applied (no commands among them)
+    replica.release()  # applied (no commands among them)
     s.drain()
     assert mirror.fresh()
     clock.t += 0.6  # silence

@@ -1,54 +1,67 @@
-"""A replica's apply path without Raft, feeding a real WatchService (unit tier).
+"""A replica of the in-process consensus (MemoryCluster) feeding a real WatchService.
 
-`LocalReplica` applies encoded commands to a `Table` at increasing log
-indexes (optionally skipping indexes, as Raft's no-op and membership entries
-do) and calls the watch listener exactly where the Raft adapter does: after
-the apply, before the applied index counts it.
+`LocalReplica` is a two-member MemoryCluster: commands go through the leader
+and the watched member applies them and calls the watch listener where the
+port says (after the apply, before the applied index counts it). Barriers
+stand in for Raft's no-op entries (indexes a mirror never sees), and holding
+the watched member gives it a commit index ahead of its applied one.
 """
 
 from __future__ import annotations
 
-import threading
-
 from kvdir.core.mirror import Mirror
-from kvdir.directory import codec, snapshot
+from kvdir.directory import codec
+from kvdir.directory.commands import Barrier, Command
+from kvdir.directory.consensus.memory import MemoryCluster, MemoryReplica
+from kvdir.directory.consensus.port import Outcome
 from kvdir.directory.limits import WatchLimits
 from kvdir.directory.table import Table
 from kvdir.directory.watch import WatchService
 from kvdir.directory.watch_hub import CutOff, Watcher
 from kvdir.v1 import directory_pb2 as pb
 
+LEADER, WATCHED = "mem-1:1", "mem-2:1"
+WRITE_TIMEOUT_S = 1.0
+
 
 class LocalReplica:
     def __init__(self, limits: WatchLimits | None = None) -> None:
-        self.table = Table()
-        self.lock = threading.Lock()
-        self.index = 0
-        self.commit = 0
-        self.service = WatchService(self, "local", limits or WatchLimits())
+        self.cluster = MemoryCluster((LEADER, WATCHED))
+        self.consensus: MemoryReplica = self.cluster[WATCHED]
+        self.service = WatchService(self.consensus, "local", limits or WatchLimits())
+        self.service.attach()
 
-    def applied_index(self) -> int:
-        return self.index
+    @property
+    def index(self) -> int:
+        return self.consensus.applied
 
-    def commit_index(self) -> int:
-        return self.commit
+    @property
+    def commit(self) -> int:
+        return self.consensus.status().commit_index
 
-    def capture(self, timeout_s: float) -> tuple[snapshot.Image, int]:
-        with self.lock:
-            return snapshot.capture(self.table), self.index
+    @property
+    def table(self) -> Table:
+        return self.consensus.table
+
+    def write(self, cmd: Command) -> None:
+        res = self.cluster[LEADER].write(cmd, WRITE_TIMEOUT_S)
+        assert res.outcome is Outcome.COMMITTED, res
 
     def apply(self, blob: bytes, skip: int = 0) -> None:
-        index = self.index + 1 + skip
-        cmd = codec.decode(blob)
-        with self.lock:
-            res = self.table.apply(cmd)
-        self.service.observe(index, blob, cmd, res)
-        self.index = index
-        self.commit = max(self.commit, index)
+        for _ in range(skip):
+            self.noop()
+        self.write(codec.decode(blob))
 
     def noop(self) -> None:
-        """A Raft entry that is no command (an election's no-op)."""
-        self.index = self.commit = self.index + 1
+        """A log entry that changes no table (as Raft's no-op and membership entries)."""
+        self.write(Barrier())
+
+    def hold(self) -> None:
+        """The watched member stops applying: commits run ahead of it."""
+        self.cluster.hold(WATCHED)
+
+    def release(self) -> None:
+        self.cluster.release(WATCHED)
 
 
 class Stream:
