@@ -36,7 +36,7 @@ def _first_event(addr: str, sec: ClientSecurity) -> pb.WatchEvent:
         try:
             return next(iter(call))
         finally:
-            call.cancel()
+            call.cancel()  # type: ignore[no-untyped-call]
 
 
 def _publish_as_node_a(cluster: LocalCluster, pki: Pki) -> int:
