@@ -289,6 +289,13 @@ class Mirror:
                 for m in self.table.lookup(ns_key, chain, max_nodes)
             ]
 
+    def prefix_lengths(self, ns_key: str, chain: Chain, max_nodes: int) -> list[tuple[str, int]]:
+        """(node id, prefix blocks) best first, as `holders` without the node details:
+        the lightest read, for routers that weigh holders by prefix length only."""
+        self._check(ns_key)
+        with self.lock:
+            return self.table.prefix_lengths(ns_key, chain, max_nodes)
+
     def digest(self) -> tuple[int, bytes]:
         """(applied index, the table's digest at it): compare with ClusterStatus's."""
         with self.lock:

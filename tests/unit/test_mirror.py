@@ -13,6 +13,7 @@ import pytest
 from kvdir.core.mirror import Mirror, MirrorError, NotServed
 from kvdir.directory import codec
 from kvdir.directory.limits import WatchLimits
+from kvdir.directory.lookup import Chain
 from kvdir.directory.watch_hub import Refused
 from kvdir.v1 import directory_pb2 as pb
 from tests.sim.test_replicas import NAMESPACES, Workload, digest
@@ -47,6 +48,9 @@ def same(mirror: Mirror, replica: LocalReplica, chains: list[tuple[str, list[byt
     assert mirror.applied_index == replica.index
     assert mirror.table.digest() == replica.table.digest()
     assert digest(mirror.table, chains) == digest(replica.table, chains)
+    for ns, hs in chains:  # the routing form answers as the full lookup does
+        full = [(m.node.node_id, m.prefix_blocks) for m in replica.table.lookup(ns, hs, 8)]
+        assert mirror.table.prefix_lengths(ns, Chain.of(hs), 8) == full
 
 
 @pytest.mark.parametrize("seed", SEEDS)
