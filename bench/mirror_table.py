@@ -4,7 +4,9 @@ Run as ``python -m bench.mirror_table --entries N``. Builds a `Mirror`'s table
 the way its Watch stream does (encoded Publish commands decoded and applied,
 the benchmark's data shape: 500-block chains, some held by several nodes),
 then answers the lookup phase's kind of query (a whole stored chain) with one
-thread, in four forms, each next to the others:
+thread, in four forms, each next to the others (per form: latencies, calls per
+wall-clock second, and calls per second of the thread's own CPU time, which is
+what one core gives when the machine is shared):
 
 - ``table``: `Table.lookup` alone (matches, no answer built);
 - ``prefix_lengths``: the routing form (`Mirror.prefix_lengths`: node id and
@@ -43,7 +45,7 @@ BATCH_ENTRIES = 4096
 DURATION_S = 5.0
 
 
-def _stats(lat_ns: list[int], wall_s: float) -> dict[str, float]:
+def _stats(lat_ns: list[int], wall_s: float, cpu_s: float) -> dict[str, float]:
     lat = sorted(lat_ns)
     n = len(lat)
     return {
@@ -54,6 +56,8 @@ def _stats(lat_ns: list[int], wall_s: float) -> dict[str, float]:
         "max_ms": lat[-1] / 1e6,
         "mean_ms": sum(lat) / n / 1e6,
         "chains_per_s": n / wall_s,
+        "cpu_s": cpu_s,
+        "chains_per_cpu_s": n / cpu_s,
     }
 
 
@@ -87,6 +91,7 @@ def build(shape: DataShape) -> tuple[Mirror, dict[str, Any]]:
 def timed(call: Callable[[int], object], n: int, duration_s: float) -> dict[str, float]:
     lat: list[int] = []
     i = 0
+    c0 = time.thread_time()
     t0 = time.perf_counter()
     end = t0 + duration_s
     while time.perf_counter() < end:
@@ -94,7 +99,7 @@ def timed(call: Callable[[int], object], n: int, duration_s: float) -> dict[str,
         call(i % n)
         lat.append(time.perf_counter_ns() - a)
         i += 1
-    return _stats(lat, time.perf_counter() - t0)
+    return _stats(lat, time.perf_counter() - t0, time.thread_time() - c0)
 
 
 def measure(entries: int, duration_s: float, seed: int) -> dict[str, Any]:
