@@ -251,7 +251,7 @@ class Mirror:
         with self.lock:
             matches = self.table.lookup(ns, chain, max_nodes, req.exclude_node)
             answer.fill(resp.matches, self.table, matches, req.omit_records)
-        resp.read.CopyFrom(self.read_info())
+            resp.read.CopyFrom(self.read_info())  # the index this answer reflects
         return resp
 
     def _parse(self, req: pb.LookupRequest) -> tuple[str, Chain, int]:
@@ -287,7 +287,7 @@ class Mirror:
             for lk, (ns, chain, max_nodes) in zip(lookups, parsed, strict=True):
                 matches = self.table.lookup(ns, chain, max_nodes, lk.exclude_node)
                 answer.fill(resp.results.add().matches, self.table, matches, lk.omit_records)
-        resp.read.CopyFrom(self.read_info())
+            resp.read.CopyFrom(self.read_info())
         return resp
 
     def holders(
