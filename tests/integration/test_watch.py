@@ -231,7 +231,9 @@ def test_refusals_and_a_stalled_reader(tmp_path: Path) -> None:
     try:
         cluster.start(30)
         r = cluster.replicas[0]
-        with cluster.client(timeout_s=10) as c, raw_stub(r.grpc_address) as stub:
+        # 30 s per call: clearing the 640k entries below took over 10 s on a
+        # 2-core machine at load average 28.
+        with cluster.client(timeout_s=30) as c, raw_stub(r.grpc_address) as stub:
             register(c, "watch-s")
             at = status(r).commit_index
             e = rpc_error(lambda: first_event(stub, pb.WatchRequest(from_index=at + 1000)))
