@@ -236,7 +236,11 @@ def run(args: argparse.Namespace) -> int:
                 for _ in range(args.rounds):
                     for stem, port in (("passthrough", pt_port), ("gateway", gw_port)):
                         url = f"http://127.0.0.1:{port}/v1/completions"
-                        lat = runner(_load(url, bodies, rate, args.seconds + args.warmup_s))
+                        try:
+                            lat = runner(_load(url, bodies, rate, args.seconds + args.warmup_s))
+                        except RuntimeError as e:  # name the proxy, show the end of its log
+                            tail = (base / f"{stem}.log").read_text(errors="replace")[-3000:]
+                            raise RuntimeError(f"{stem} at {rate:.0f} req/s: {e}\n{tail}") from e
                         out[stem].extend(lat[skip:])
                 return out
 

@@ -19,6 +19,9 @@ Example (deploy/config/directory.toml has a commented one)::
     [raft]            # directory.consensus.tuning.RaftTuning fields
     election_min_s = 0.15
 
+    [watch]           # directory.limits.WatchLimits fields (the Watch stream's bounds)
+    heartbeat_ms = 50
+
     [tls]             # directory.security.TlsConfig (docs/security.md)
     cert = "/etc/kvdir/tls/r1.crt"
     key = "/etc/kvdir/tls/r1.key"
@@ -39,7 +42,12 @@ from typing import Any
 from kvdir.core.config import ConfigError, read_toml, section, security_sections
 from kvdir.core.security import AuthConfig, TlsConfig
 from kvdir.directory.consensus.tuning import RaftTuning
-from kvdir.directory.limits import BATCH_ENTRIES_CEILING, LEASE_MS_DEFAULT, RequestLimits
+from kvdir.directory.limits import (
+    BATCH_ENTRIES_CEILING,
+    LEASE_MS_DEFAULT,
+    RequestLimits,
+    WatchLimits,
+)
 
 _CLUSTER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -72,6 +80,7 @@ class DirectoryConfig:
     hearing from its leader. Only for the first start of an added replica."""
     limits: RequestLimits = field(default_factory=RequestLimits)
     raft: RaftTuning = field(default_factory=RaftTuning)
+    watch: WatchLimits = field(default_factory=WatchLimits)
     tls: TlsConfig = field(default_factory=TlsConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     raft_bind_address: str = ""
@@ -101,6 +110,7 @@ def from_dict(raw: dict[str, Any]) -> DirectoryConfig:
         raise ConfigError(f"bad [[peers]] entry: {e}") from e
     limits = section(RequestLimits, raw.pop("limits", None), "limits")
     tuning = section(RaftTuning, raw.pop("raft", None), "raft")
+    watch = section(WatchLimits, raw.pop("watch", None), "watch")
     tls, auth = security_sections(raw)
     names = {f.name for f in dataclasses.fields(DirectoryConfig)}
     unknown = sorted(set(raw) - names)
@@ -112,7 +122,9 @@ def from_dict(raw: dict[str, Any]) -> DirectoryConfig:
     if missing:
         raise ConfigError(f"missing required keys: {', '.join(missing)}")
     try:
-        cfg = DirectoryConfig(peers=peers, limits=limits, raft=tuning, tls=tls, auth=auth, **raw)
+        cfg = DirectoryConfig(
+            peers=peers, limits=limits, raft=tuning, watch=watch, tls=tls, auth=auth, **raw
+        )
     except TypeError as e:
         raise ConfigError(str(e)) from e
     _check(cfg)
@@ -149,6 +161,12 @@ def _check(cfg: DirectoryConfig) -> None:
             raise ConfigError(f"[limits] {f.name} must be > 0")
     if cfg.limits.lookup_nodes_default > cfg.limits.lookup_nodes_max:
         raise ConfigError("[limits] lookup_nodes_default must be <= lookup_nodes_max")
+    w = cfg.watch
+    for f in dataclasses.fields(w):
+        if getattr(w, f.name) <= 0:
+            raise ConfigError(f"[watch] {f.name} must be > 0")
+    if w.history_entries_max > w.buffer_entries_max or w.history_bytes_max > w.buffer_bytes_max:
+        raise ConfigError("[watch] the history may not hold more than one watcher's buffer")
     if cfg.cluster_id and not _CLUSTER_ID_RE.match(cfg.cluster_id):
         raise ConfigError("cluster_id must be 1-64 of [A-Za-z0-9_.-]")
     if cfg.log_format not in ("json", "text"):

@@ -38,6 +38,7 @@ from kvdir.directory.server import (
     LeaseSweeper,
     WallClock,
 )
+from kvdir.directory.watch import WatchService
 from kvdir.v1 import directory_pb2 as pb
 from kvdir.v1 import directory_pb2_grpc as pb_grpc
 
@@ -64,6 +65,7 @@ class DirectoryDaemon:
         self.health = health.HealthServicer()
         self._metrics_server: Any = None
         self._service: DirectoryService | None = None
+        self.watch: WatchService | None = None
 
     def _on_role_changed(self, old: Role, new: Role) -> None:
         log.info("raft role changed", extra={"from": int(old), "to": int(new)})
@@ -112,6 +114,9 @@ class DirectoryDaemon:
         self.consensus = consensus = raft
         service = DirectoryService(cfg, consensus, self.metrics, self.clock)
         self._service = service
+        self.watch = watch = WatchService(consensus, cfg.replica_id, cfg.watch)
+        watch.attach()
+        service.watch = watch
         self._bind_metrics(consensus)
         server = grpc.server(
             futures.ThreadPoolExecutor(
@@ -211,6 +216,8 @@ class DirectoryDaemon:
     def stop(self, grace_s: float = 2.0) -> None:
         """Leave gracefully: stop serving, hand over leadership, close."""
         self._stop.set()
+        if self.watch is not None:
+            self.watch.hub.stop()  # ends every Watch stream (they resume elsewhere)
         self.health.enter_graceful_shutdown()
         c = self.consensus
         if c is not None and c.is_leader():

@@ -72,3 +72,41 @@ class RequestLimits:
     journal): `kvdir chaos` measured restarted replicas answering from state
     minutes old otherwise. Checked until first met, then never again: later lag
     is what each read's ReadInfo reports."""
+
+
+@dataclass(frozen=True, slots=True)
+class WatchLimits:
+    """Bounds of the Watch stream (directory/watch.py, directory/watch_hub.py).
+
+    A watcher's buffer holds references to the same command bytes the history
+    holds, so a replica's extra memory is about `history_bytes_max` plus the
+    bookkeeping, whatever the number of watchers.
+    """
+
+    watchers_max: int = 16
+    """Watch streams one replica serves at once (each holds a gRPC worker thread)."""
+    buffer_entries_max: int = 65_536
+    """Commands waiting to be sent to one watcher; past it the watcher is cut off."""
+    buffer_bytes_max: int = 64 * 1024 * 1024
+    """Encoded bytes of the commands waiting for one watcher; past it, cut off."""
+    history_entries_max: int = 65_536
+    """Recent commands kept for watchers that resume from an index (else a snapshot)."""
+    history_bytes_max: int = 64 * 1024 * 1024
+    event_entries_max: int = 1024
+    """Commands in one WatchEntries message."""
+    event_bytes_max: int = 4 * 1024 * 1024
+    """Encoded commands in one WatchEntries message (a bigger single command goes alone)."""
+    heartbeat_ms: int = 50
+    """An idle stream sends a heartbeat this often (carrying the commit index)."""
+    snapshot_chunk_bytes: int = 1024 * 1024
+    stalled_cancel_ms: int = 5_000
+    """A watcher cut off while its stream is blocked (the reader stopped reading and
+    flow control stopped the sends) gets this long to read on and see its status;
+    then the call is cancelled, so a hung reader never holds a worker thread."""
+    snapshots_inflight_max: int = 2
+    """Snapshots being captured and streamed at once (each copies the table's columns)."""
+
+
+# One command always fits one event, and one event one gRPC message.
+assert COMMAND_BYTES_MAX <= GRPC_MESSAGE_BYTES_MAX - 1024
+assert WatchLimits().snapshot_chunk_bytes + 1024 <= GRPC_MESSAGE_BYTES_MAX

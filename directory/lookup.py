@@ -227,6 +227,60 @@ def _follow_runs(
     return runs[0] if len(runs) == 1 else np.concatenate(runs)
 
 
+def prefix_lengths(
+    table: Table, namespace: str, chain: Chain, exclude: int
+) -> list[tuple[int, int]]:
+    """(node index, length of its contiguous prefix) for every holder of block 0.
+
+    The routing form of `longest_prefixes`: the same walk, without gathering
+    the prefix's slots (a block held in two tiers counts once either way)."""
+    ns = table.ns_ids.get(namespace)
+    if ns is None or not len(chain) or not chain.packed:
+        return [(n, len(s)) for n, s in longest_prefixes(table, namespace, chain, exclude)]
+    blocks = table.blocks[ns]
+    s0 = blocks.get(chain.item(0), NIL)
+    if s0 == NIL:
+        return []
+    c = table.col
+    starts = _holder_starts(c, s0, exclude)
+    with _views(c) as v:
+        fps = chain.fingerprints()
+        return [(n, _run_length(v, blocks, c.key, chain, fps, ns, s)) for n, s in starts]
+
+
+def _run_length(
+    v: _V,
+    blocks: dict[bytes, int],
+    keys: list[bytes | None],
+    chain: Chain,
+    fps: Any,
+    ns: int,
+    s0: int,
+) -> int:
+    """As `_follow_runs`, counting the prefix's blocks instead of listing its slots."""
+    n, width, node = len(chain), chain.width, int(v.node[s0])
+    nslots = len(v.fp)
+    i, s = 0, s0
+    while i < n:
+        k = min(n - i, nslots - s)
+        ok = (
+            (v.fp[s : s + k] == fps[i : i + k])
+            & (v.kw[s : s + k] == width)
+            & (v.ns[s : s + k] == ns)
+            & (v.node[s : s + k] == node)
+        )
+        run = int(ok.argmin()) if not ok.all() else k
+        if width > 8 and run:
+            run = _same_keys(keys, chain, i, s, run)
+        i += run
+        if i >= n:
+            break
+        s = _best_slot(v, blocks.get(chain.item(i), NIL), node)
+        if s == NIL:
+            break
+    return i
+
+
 def _same_keys(keys: list[bytes | None], chain: Chain, i: int, s: int, run: int) -> int:
     """How many of slots s.. really hold blocks i.. (the fingerprint covers 8 bytes).
 

@@ -24,13 +24,13 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 
 from kvdir.core.security import authorize_node
-from kvdir.directory import validate
+from kvdir.directory import answer, validate
 from kvdir.directory.commands import (
     ClearNode,
     Expired,
@@ -49,6 +49,7 @@ from kvdir.directory.consensus.port import Consensus, Outcome, Role
 from kvdir.directory.limits import EXPIRE_NODES_PER_COMMAND_MAX
 from kvdir.directory.metrics import DirectoryMetrics
 from kvdir.directory.table import Match, Table
+from kvdir.directory.watch import WatchService
 from kvdir.v1 import directory_pb2 as pb
 from kvdir.v1 import directory_pb2_grpc as pb_grpc
 
@@ -117,6 +118,8 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         self._grpc_of_raft = cfg.grpc_of_raft()
         self._inflight = threading.BoundedSemaphore(cfg.limits.inflight_writes_max)
         self._caught_up = False
+        self.watch: WatchService | None = None
+        """Set by the daemon once the Watch feed is attached."""
 
     # --------------------------------------------------------------- helpers
 
@@ -314,19 +317,7 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
 
     def _fill(self, out: Any, table: Table, matches: list[Match], omit_records: bool) -> None:
         """Append NodeMatch messages to `out` (inside `consensus.read`)."""
-        for m in matches:
-            node = m.node
-            nm = out.add(
-                node_id=node.node_id,
-                prefix_blocks=m.prefix_blocks,
-                host=node.host,
-                agent_endpoint=node.endpoint,
-                transports=node.transports,
-            )
-            if not omit_records:
-                rec = table.packed_records(m.slots)
-                nm.addresses, nm.lengths, nm.rkeys = rec.addresses, rec.lengths, rec.rkeys
-                nm.generations, nm.tiers = rec.generations, rec.tiers
+        answer.fill(out, table, matches, omit_records)
 
     @_rpc
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
@@ -431,6 +422,13 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
 
         self.consensus.read(sizes)
         return resp
+
+    def Watch(
+        self, request: pb.WatchRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.WatchEvent]:
+        if self.watch is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "watch is not ready on this replica yet")
+        return self.watch.watch(request, context)
 
 
 class EchoService(pb_grpc.EchoServicer):

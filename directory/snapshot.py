@@ -104,6 +104,16 @@ def _key_chunks(keys: list[bytes | None]) -> Iterator[tuple[bytes, bytes]]:
 
 def write(image: Image, path: str, raft: dict[str, Any], entries: list[RaftEntry]) -> None:
     """Write `image` (plus the Raft adapter's metadata) atomically to `path`."""
+    tmp = path + ".kvdir-tmp"
+    with open(tmp, "wb") as f:
+        write_to(f, image, raft, entries)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_to(f: BinaryIO, image: Image, raft: dict[str, Any], entries: list[RaftEntry]) -> None:
+    """The snapshot's bytes into an open file (a path, or memory for a Watch stream)."""
     lengths = bytearray()
     blobs: list[bytes] = []
     for lens, blob in _key_chunks(image.keys):
@@ -116,25 +126,20 @@ def write(image: Image, path: str, raft: dict[str, Any], entries: list[RaftEntry
     header["head_counts"] = [len(h) for h in image.heads]
     header["raft_entries"] = len(entries)
     head_bytes = json.dumps(header, separators=(",", ":")).encode()
-    tmp = path + ".kvdir-tmp"
-    with open(tmp, "wb") as f:
-        f.write(MAGIC)
-        f.write(struct.pack("<I", len(head_bytes)))
-        f.write(head_bytes)
-        for a in image.arrays:
-            f.write(memoryview(_to_le(a)).cast("B"))
-        f.write(lengths)
-        for blob in blobs:
-            f.write(blob)
-        for h in image.heads:
-            f.write(memoryview(_to_le(array("I", h))).cast("B"))
-        for cmd, idx, term in entries:
-            f.write(struct.pack("<I", len(cmd)))
-            f.write(cmd)
-            f.write(struct.pack("<QQ", idx, term))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    f.write(MAGIC)
+    f.write(struct.pack("<I", len(head_bytes)))
+    f.write(head_bytes)
+    for a in image.arrays:
+        f.write(memoryview(_to_le(a)).cast("B"))
+    f.write(lengths)
+    for blob in blobs:
+        f.write(blob)
+    for h in image.heads:
+        f.write(memoryview(_to_le(array("I", h))).cast("B"))
+    for cmd, idx, term in entries:
+        f.write(struct.pack("<I", len(cmd)))
+        f.write(cmd)
+        f.write(struct.pack("<QQ", idx, term))
 
 
 def _read_exact(f: BinaryIO, n: int) -> bytes:
@@ -155,33 +160,38 @@ def _read_array(f: BinaryIO, code: str, nbytes: int) -> array[int]:
 def read(path: str) -> tuple[Table, dict[str, Any], list[RaftEntry]]:
     """Load a snapshot written by `write`."""
     with open(path, "rb") as f:
-        if f.read(len(MAGIC)) != MAGIC:
-            raise SnapshotError(f"{path} is not a kvdir snapshot")
-        (hlen,) = struct.unpack("<I", _read_exact(f, 4))
-        header = json.loads(_read_exact(f, hlen))
-        if header.get("format") != FORMAT_VERSION:
-            raise SnapshotError(f"snapshot format {header.get('format')} is not supported")
-        table = Table()
-        c = table.col
-        cols = c.arrays()
-        if len(header.get("array_bytes", ())) != len(cols):
-            raise SnapshotError(
-                f"snapshot has {len(header.get('array_bytes', ()))} columns, "
-                f"this version expects {len(cols)}"
-            )
-        for col, nbytes in zip(cols, header["array_bytes"], strict=True):
-            col.extend(_read_array(f, col.typecode, nbytes))
-        nslots = header["slots"]
-        lengths = _read_exact(f, nslots)
-        blob = _read_exact(f, header["keys_bytes"])
-        c.key = _split_keys(lengths, blob)
-        heads = [_read_array(f, "I", 4 * n) for n in header["head_counts"]]
-        entries: list[RaftEntry] = []
-        for _ in range(header["raft_entries"]):
-            (n,) = struct.unpack("<I", _read_exact(f, 4))
-            cmd = _read_exact(f, n)
-            idx, term = struct.unpack("<QQ", _read_exact(f, 16))
-            entries.append((cmd, idx, term))
+        return load(f, path)
+
+
+def load(f: BinaryIO, name: str = "snapshot") -> tuple[Table, dict[str, Any], list[RaftEntry]]:
+    """Load a snapshot from an open file (see `write_to`)."""
+    if f.read(len(MAGIC)) != MAGIC:
+        raise SnapshotError(f"{name} is not a kvdir snapshot")
+    (hlen,) = struct.unpack("<I", _read_exact(f, 4))
+    header = json.loads(_read_exact(f, hlen))
+    if header.get("format") != FORMAT_VERSION:
+        raise SnapshotError(f"snapshot format {header.get('format')} is not supported")
+    table = Table()
+    c = table.col
+    cols = c.arrays()
+    if len(header.get("array_bytes", ())) != len(cols):
+        raise SnapshotError(
+            f"snapshot has {len(header.get('array_bytes', ()))} columns, "
+            f"this version expects {len(cols)}"
+        )
+    for col, nbytes in zip(cols, header["array_bytes"], strict=True):
+        col.extend(_read_array(f, col.typecode, nbytes))
+    nslots = header["slots"]
+    lengths = _read_exact(f, nslots)
+    blob = _read_exact(f, header["keys_bytes"])
+    c.key = _split_keys(lengths, blob)
+    heads = [_read_array(f, "I", 4 * n) for n in header["head_counts"]]
+    entries: list[RaftEntry] = []
+    for _ in range(header["raft_entries"]):
+        (n,) = struct.unpack("<I", _read_exact(f, 4))
+        cmd = _read_exact(f, n)
+        idx, term = struct.unpack("<QQ", _read_exact(f, 16))
+        entries.append((cmd, idx, term))
     _restore_meta(table, header, heads)
     return table, header["raft"], entries
 
@@ -222,4 +232,4 @@ def _restore_meta(table: Table, header: dict[str, Any], heads: list[array[int]])
         raise SnapshotError("snapshot free list is corrupt")
 
 
-__all__ = ["Image", "SnapshotError", "capture", "read", "write"]
+__all__ = ["Image", "SnapshotError", "capture", "load", "read", "write", "write_to"]

@@ -589,6 +589,25 @@ class Table:
             matches.append(Match(node, slots))
         return prefix_lookup.sort_matches(matches, max_nodes)
 
+    def prefix_lengths(
+        self, namespace: str, chain: prefix_lookup.Chain, max_nodes: int
+    ) -> list[tuple[str, int]]:
+        """(node id, prefix blocks) of `lookup`'s matches, in its order, with no
+        slots gathered: what a router needs and nothing else."""
+        if max_nodes <= 0:
+            return []
+        found = [
+            (self._node_id(n), length)
+            for n, length in prefix_lookup.prefix_lengths(self, namespace, chain, NIL)
+        ]
+        found.sort(key=lambda x: (-x[1], x[0]))
+        return found[:max_nodes]
+
+    def _node_id(self, n: int) -> str:
+        node = self.node_by_idx[n]
+        assert node is not None, "a slot points at a forgotten node"
+        return node.node_id
+
     def records(self, slots: Sequence[int]) -> Records:
         """Holder records of `slots` as Python ints (tests, tools)."""
         c = self.col

@@ -32,6 +32,7 @@ from kvdir.core.config import ConfigError, read_toml
 from kvdir.core.security import ClientSecurity, SecurityConfigError
 from kvdir.directory.config import DirectoryConfig, from_dict, parse_peer
 from kvdir.directory.consensus.tuning import RaftTuning
+from kvdir.directory.limits import WatchLimits
 from kvdir.v1 import directory_pb2 as pb
 
 DEFAULT_ADDRS = "127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103"
@@ -58,10 +59,13 @@ def _serve_config(args: argparse.Namespace) -> DirectoryConfig:
     }
     peers = [parse_peer(p) for p in args.peer]
     tune = _tuning(args.tune)
+    watch = _tuning(args.watch_limit, WatchLimits, "--watch-limit")
     if args.config:
         cfg = from_dict(secflags.apply_daemon_flags(read_toml(args.config, overrides), args))
         if tune:
             cfg = dataclasses.replace(cfg, raft=dataclasses.replace(cfg.raft, **tune))
+        if watch:
+            cfg = dataclasses.replace(cfg, watch=dataclasses.replace(cfg.watch, **watch))
         if peers:
             raise ConfigError("give peers in the config file or as --peer flags, not both")
         return cfg
@@ -72,24 +76,26 @@ def _serve_config(args: argparse.Namespace) -> DirectoryConfig:
     ]
     if tune:
         raw["raft"] = tune
+    if watch:
+        raw["watch"] = watch
     return from_dict(secflags.apply_daemon_flags(raw, args))
 
 
-def _tuning(specs: list[str]) -> dict[str, Any]:
-    """`--tune KEY=VALUE` flags as RaftTuning overrides, typed like the field."""
-    fields = {f.name: f for f in dataclasses.fields(RaftTuning)}
+def _tuning(specs: list[str], cls: Any = None, flag: str = "--tune") -> dict[str, Any]:
+    """`--tune KEY=VALUE` flags as RaftTuning (or `cls`) overrides, typed like the field."""
+    fields = {f.name: f for f in dataclasses.fields(cls or RaftTuning)}
     out: dict[str, Any] = {}
     for spec in specs:
         key, sep, value = spec.partition("=")
         if not sep or key not in fields:
             raise ConfigError(
-                f"--tune {spec!r}: expected one of {', '.join(sorted(fields))} as KEY=VALUE"
+                f"{flag} {spec!r}: expected one of {', '.join(sorted(fields))} as KEY=VALUE"
             )
         kind = int if fields[key].type in ("int", int) else float
         try:
             out[key] = kind(value)
         except ValueError as e:
-            raise ConfigError(f"--tune {spec!r}: {value!r} is not a {kind.__name__}") from e
+            raise ConfigError(f"{flag} {spec!r}: {value!r} is not a {kind.__name__}") from e
     return out
 
 
@@ -584,6 +590,13 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="override a Raft tuning field (directory.consensus.tuning.RaftTuning)",
+    )
+    s.add_argument(
+        "--watch-limit",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a Watch stream bound (directory.limits.WatchLimits)",
     )
     s.add_argument(
         "--enable-echo",

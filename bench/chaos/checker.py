@@ -6,6 +6,8 @@
 - `lost_writes`: acknowledged publishes missing from the final state that no
   later write can explain.
 - `local_reads`: reads through one replica never go backwards; their staleness.
+  The same check over a client-side mirror's reads (mode "mirror"), plus
+  `mirror_ahead`: a mirror never answered from past the commit index it knew.
 - `lease_expiry`: a crashed agent's entries vanish within the bound.
 - `unavailability`: per fault, how long writes and reads could not complete.
 
@@ -200,7 +202,10 @@ class LocalStats:
 
 
 def local_reads(
-    ops: Sequence[Op], restarts: dict[str, list[float]], examples_max: int = 5
+    ops: Sequence[Op],
+    restarts: dict[str, list[float]],
+    examples_max: int = 5,
+    mode: str = "local",
 ) -> dict[str, LocalStats]:
     """Per replica: local reads never go backwards (within one process lifetime); staleness.
 
@@ -217,9 +222,7 @@ def local_reads(
     out: dict[str, LocalStats] = defaultdict(LocalStats)
     last_index: dict[tuple[str, int], int] = {}
     last_gen: dict[tuple[str, int, str], int] = {}
-    reads = sorted(
-        (o for o in ops if o.kind == "read" and o.mode == "local"), key=lambda o: o.invoke
-    )
+    reads = sorted((o for o in ops if o.kind == "read" and o.mode == mode), key=lambda o: o.invoke)
     for r in reads:
         if r.outcome != "ok":
             continue
@@ -410,6 +413,23 @@ def convergence(events: Iterable[Event]) -> tuple[bool, dict[str, Any]]:
     return ok, d
 
 
+def mirror_ahead(ops: Iterable[Op], examples_max: int = 5) -> tuple[int, list[str]]:
+    """Mirror reads answered at an applied index past the commit index the mirror
+    had heard of (a mirror may only replay what replicas applied, all committed)."""
+    bad = [
+        o
+        for o in ops
+        if o.kind == "read"
+        and o.mode == "mirror"
+        and o.outcome == "ok"
+        and o.applied_index > o.commit_index
+    ]
+    return len(bad), [
+        f"{o.replica} {o.key}: applied index {o.applied_index} > commit {o.commit_index}"
+        for o in bad[:examples_max]
+    ]
+
+
 @dataclass
 class Report:
     figures: dict[str, Any]
@@ -431,6 +451,8 @@ def check(h: History, election_s: float = 1.0) -> Report:
         if e.kind == "replica-start":
             restarts[e.detail["replica"]].append(e.at)
     local = local_reads(checked_ops, restarts)
+    mirror = local_reads(checked_ops, {}, mode="mirror")  # one process each, never restarted
+    ahead, ahead_examples = mirror_ahead(checked_ops)
     expiries = lease_expiry(h.events, election_s)
     converged, conv = convergence(h.events)
     costs = unavailability(ops, h.faults)
@@ -472,6 +494,11 @@ def check(h: History, election_s: float = 1.0) -> Report:
         "local_backwards": sum(s.backwards for s in local.values()),
         "local_phantom": sum(s.phantom for s in local.values()),
         "local_staleness_s": {rep: summary(s.staleness) for rep, s in sorted(local.items())},
+        "mirror_reads_ok": sum(1 for o in reads if o.outcome == "ok" and o.mode == "mirror"),
+        "mirror_backwards": sum(s.backwards for s in mirror.values()),
+        "mirror_phantom": sum(s.phantom for s in mirror.values()),
+        "mirror_ahead": ahead,
+        "mirror_staleness_s": {m: summary(s.staleness) for m, s in sorted(mirror.items())},
         "agent_crashes": len(expiries),
         "lease_late": sum(1 for x in expiries if x.late),
         "lease_vanish_s": summary([x.vanish_s for x in expiries]),
@@ -491,6 +518,11 @@ def check(h: History, election_s: float = 1.0) -> Report:
         violations += [f"local read went backwards: {x}" for x in s.examples]
         if s.phantom:
             violations.append(f"local read of a generation never written ({s.phantom})")
+    for s in mirror.values():
+        violations += [f"mirror read went backwards: {x}" for x in s.examples]
+        if s.phantom:
+            violations.append(f"mirror read of a generation never written ({s.phantom})")
+    violations += [f"mirror read ahead of the commit index: {x}" for x in ahead_examples]
     violations += [
         f"agent {x.node} entries vanished after {x.vanish_s} s (bound {x.bound_s:.2f} s)"
         for x in expiries

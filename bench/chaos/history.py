@@ -21,7 +21,7 @@ from typing import Any, Literal, TextIO
 
 Outcome = Literal["ok", "fail", "unknown"]
 Kind = Literal["publish", "remove", "read"]
-Mode = Literal["", "lin", "local"]
+Mode = Literal["", "lin", "local", "mirror"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +43,8 @@ class Op:
     replica: str = ""
     """The replica that answered (reads)."""
     applied_index: int = 0
+    commit_index: int = 0
+    """mirror reads: the highest commit index the mirror had heard of by then."""
     role: int = 0
     last_attempt: float = 0.0
     """When the last attempt began (unavailability is measured from retries)."""

@@ -95,6 +95,7 @@ def markdown(data: dict[str, Any]) -> str:
                 ("writes that definitely failed", f["writes_failed"]),
                 ("linearizable reads answered", f["lin_reads_ok"]),
                 ("local reads answered", f["local_reads_ok"]),
+                ("mirror reads answered", f.get("mirror_reads_ok", 0)),
                 ("keys checked for linearizability", f["keys_checked"]),
                 ("lost acknowledged publishes", f["lost"]),
                 ("linearizability violations", f["linearizability_violations"]),

@@ -91,6 +91,8 @@ class ChaosConfig:
     agents: int = 4
     keys: int = 16
     lin_readers: int = 2
+    mirrors: int = 1
+    """Readers of a client-side mirror (kvdir.core.mirror) fed over Watch."""
     pace_ms: float = 20.0
     kinds: tuple[str, ...] = FAULT_KINDS
     max_seconds: float = 1800.0
@@ -246,6 +248,7 @@ class Orchestrator:
             self.spawn(
                 [
                     *("readers", *common, "--lin-readers", str(self.cfg.lin_readers), *local),
+                    *("--mirrors", str(self.cfg.mirrors)),
                     *("--out", str(self.out / "readers.jsonl")),
                 ],
                 "readers",

@@ -34,6 +34,7 @@ from typing import Any
 
 import grpc
 
+from bench.chaos import mirror_reader
 from bench.chaos.history import Event, Op, Outcome, Recorder
 from kvdir.core.client import _metadata, namespace, records
 from kvdir.v1 import directory_pb2 as pb
@@ -363,6 +364,23 @@ def crash_agent(
     return 0
 
 
+def _mirror_thread(
+    a: argparse.Namespace,
+    addresses: Sequence[str],
+    i: int,
+    pace: float,
+    rec: Any,
+    stop: Stop,
+) -> threading.Thread:
+    process = f"mirror-{i}"
+
+    def read(m: Any, picks: Sequence[tuple[int, int]]) -> None:
+        mirror_reader.read_once(m, rec, process, picks, SPACE, block_hash, key_name, decode_match)
+
+    args = (addresses, process, a.agents, a.keys, READ_BATCH, pace, rec, stop, a.seed + 200 + i)
+    return threading.Thread(target=mirror_reader.mirror_loop, args=(*args, read))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="bench.chaos.workload")
     p.add_argument("role", choices=["agents", "readers", "crash-agent"])
@@ -372,6 +390,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--keys", type=int, default=16)
     p.add_argument("--lin-readers", type=int, default=2)
     p.add_argument("--replica", action="append", default=[], help="ID=ADDR for a local reader")
+    p.add_argument("--mirrors", type=int, default=0, help="readers of a client-side mirror")
     p.add_argument("--pace-ms", type=float, default=20.0)
     p.add_argument("--node", type=int, default=0, help="crash agent index")
     p.add_argument("--blocks", type=int, default=8)
@@ -416,6 +435,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         target=reader_loop, args=(*args, locked, stop, a.seed + 100 + j)
                     )
                 )
+        if a.role == "readers":
+            threads += [
+                _mirror_thread(a, addresses, i, pace, locked, stop) for i in range(a.mirrors)
+            ]
         for t in threads:
             t.start()
         for t in threads:

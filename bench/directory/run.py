@@ -13,7 +13,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bench.directory import batch, compaction, failover, logs, lookups, memory, publish, verify
+from bench.directory import (
+    batch,
+    compaction,
+    failover,
+    logs,
+    lookups,
+    memory,
+    mirror,
+    publish,
+    verify,
+)
 from bench.directory import report as directory_report
 from bench.directory.cluster import Bench, make_cluster
 from bench.directory.config import Config, resolve
@@ -34,6 +44,7 @@ PHASES: tuple[Phase, ...] = (
     Phase("publish load", publish.run),
     Phase("lookups", lookups.run),
     Phase("lookup batch", batch.run),
+    Phase("mirror", mirror.run),
     Phase("leader kills", failover.run),
     Phase("compaction", compaction.run),
     Phase("verification", verify.run),

@@ -111,7 +111,11 @@ class Replica(SyncObj):  # type: ignore[misc]
         os.makedirs(data_dir, exist_ok=True)
         self.lock = threading.Lock()
         self.table = Table()
-        self.listeners: list[Listener] = []
+        self.listeners: tuple[Listener, ...] = ()
+        self.install_listeners: tuple[Callable[[int], None], ...] = ()
+        self._listen_lock = threading.Lock()
+        self._dispatched = 0
+        """The newest index whose command took its listeners (see `add_listener`)."""
         self._snap_lock = threading.Lock()
         self._snap_state = SERIALIZER_STATE.NOT_SERIALIZING
         self.last_compaction_s = 0.0
@@ -244,12 +248,35 @@ class Replica(SyncObj):  # type: ignore[misc]
         index = int(self.raftLastApplied) + 1  # bumped by pysyncobj once this returns
         with self.lock:
             result = self.table.apply(cmd)
-        for listener in self.listeners:
+        with self._listen_lock:
+            listeners, self._dispatched = self.listeners, index
+        for listener in listeners:
             try:
                 listener(index, cmd, result)
             except Exception:  # a listener's bug must not stop the Raft thread
                 log.exception("apply listener failed", extra={"index": index})
         return result
+
+    def add_listener(self, fn: Listener, on_install: Callable[[int], None] | None) -> int:
+        """Register from any thread; returns the index after which `fn` sees every
+        command. Exact without waiting for the Raft thread: a command past the
+        returned index takes its listeners after this registration."""
+        with self._listen_lock:
+            self.listeners = (*self.listeners, fn)
+            if on_install is not None:
+                self.install_listeners = (*self.install_listeners, on_install)
+            return max(self._dispatched, int(self.raftLastApplied))
+
+    def _installed(self, index: int) -> None:
+        """Tell the install listeners (none yet when the dump loads at start)."""
+        with self._listen_lock:
+            listeners = self.install_listeners
+            self._dispatched = max(self._dispatched, index)
+        for listener in listeners:
+            try:
+                listener(index)
+            except Exception:  # as for apply listeners: never stop the Raft thread
+                log.exception("install listener failed", extra={"index": index})
 
     def propose_blob(self, blob: bytes, callback: Callable[[Result | None, int], None]) -> None:
         self._apply_blob(blob, callback=callback)
@@ -322,6 +349,8 @@ class Replica(SyncObj):  # type: ignore[misc]
         table, raft, entries = snapshot.read(path)
         with self.lock:
             self.table = table
+        # pysyncobj sets raftLastApplied to the newer of the two entries right after.
+        self._installed(max(entries[0][1], entries[1][1]))
         labels = raft.get("labels", {})
         cluster = {TCPNode(addr, **label_kwargs(labels.get(addr))) for addr in raft["cluster"]}
         log.info("snapshot loaded", extra={"entries": table.entries})

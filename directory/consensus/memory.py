@@ -11,6 +11,7 @@ the server's real logic with it; they steer Raft's side explicitly:
   (a slow follower, a restart replaying its journal) and catches up later;
 - `fail_next(outcome, reason, applied)`: the next proposal reports this
   outcome; with `applied=True` it commits anyway (an "unknown" that did).
+- `replica.install_snapshot()`: a replica catches up as if a snapshot came.
 
 A wait that cannot end here never sleeps: a write whose replica is held
 reports UNKNOWN at once (nothing else could release it while we wait).
@@ -30,6 +31,7 @@ from kvdir.directory.consensus.port import (
     Capture,
     Consensus,
     Done,
+    InstallListener,
     Member,
     Outcome,
     Role,
@@ -114,6 +116,7 @@ class MemoryReplica(Consensus):
         self.labels = ("", "")
         self._pending: dict[int, Done] = {}
         self._listeners: list[ApplyListener] = []
+        self._installs: list[InstallListener] = []
 
     # ---------------------------------------------------------------- applying
 
@@ -127,9 +130,9 @@ class MemoryReplica(Consensus):
     def _apply(self, index: int, cmd: Command) -> None:
         with self.lock:
             result = self.table.apply(cmd)
-        self.applied = index
-        for fn in self._listeners:
+        for fn in self._listeners:  # before `applied` counts it, as the port says
             fn(index, cmd, result)
+        self.applied = index
         done = self._pending.pop(index, None)
         if done is not None:
             done(WriteResult(Outcome.COMMITTED, result))
@@ -228,8 +231,29 @@ class MemoryReplica(Consensus):
             term = c.log[self.applied - 1][0] if self.applied else 0
             return Capture(image, self.applied, term, self.member_addresses())
 
-    def add_apply_listener(self, fn: ApplyListener) -> None:
-        self._listeners.append(fn)
+    def add_apply_listener(
+        self, fn: ApplyListener, on_install: InstallListener | None = None
+    ) -> int:
+        with self.cluster.lock:  # no apply runs meanwhile
+            self._listeners.append(fn)
+            if on_install is not None:
+                self._installs.append(on_install)
+            return self.applied
+
+    def install_snapshot(self) -> None:
+        """Catch up as a snapshot install would: the table jumps to the commit
+        index without its commands passing the apply listeners."""
+        c = self.cluster
+        with c.lock:
+            table = Table()
+            for _, cmd in c.log:
+                table.apply(cmd)
+            with self.lock:
+                self.table = table
+            index = len(c.log)
+            for fn in self._installs:
+                fn(index)
+            self.applied = index
 
     def close(self) -> None:
         self.closed = True

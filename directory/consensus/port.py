@@ -19,10 +19,14 @@ Verbs of `Consensus` (every other method is built on them):
 - `transfer_leadership()`: ask the leader to hand over to a caught-up follower.
 - `capture(timeout_s)`: a `Capture` of the table taken between two applies,
   with the applied index and term it reflects.
-- `add_apply_listener(fn)`: `fn(index, command, result)` runs on the consensus
-  thread after each entry is applied, in index order, holding no lock. A gap
-  in the indexes means a snapshot was installed in between: `capture` then
-  gives the table at a known index to resume from.
+- `add_apply_listener(fn, on_install)`: `fn(index, command, result)` runs on
+  the consensus thread after each command is applied, in index order, holding
+  no lock, before `status().applied_index` counts it. Indexes have gaps: Raft's
+  own entries (a new leader's no-op, membership changes) carry no command.
+  `on_install(index)` runs there when a snapshot replaced the table (it now
+  reflects every entry up to `index`), before any later command's `fn`.
+  Returns the applied index from which on `fn` sees every command (the ones
+  up to it were applied before `fn` was registered).
 - `close()`.
 
 Outcomes: COMMITTED (applied here), NOT_APPLIED (definitely not: safe to
@@ -113,6 +117,7 @@ class Capture:
 
 
 ApplyListener = Callable[[int, Command, Result], None]
+InstallListener = Callable[[int], None]
 Done = Callable[[WriteResult], None]
 
 
@@ -151,7 +156,9 @@ class Consensus(ABC):
     def capture(self, timeout_s: float) -> Capture: ...
 
     @abstractmethod
-    def add_apply_listener(self, fn: ApplyListener) -> None: ...
+    def add_apply_listener(
+        self, fn: ApplyListener, on_install: InstallListener | None = None
+    ) -> int: ...
 
     @abstractmethod
     def close(self) -> None: ...

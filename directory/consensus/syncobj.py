@@ -32,6 +32,7 @@ from kvdir.directory.consensus.port import (
     Capture,
     Consensus,
     Done,
+    InstallListener,
     Member,
     Outcome,
     Role,
@@ -251,8 +252,10 @@ class RaftConsensus(Consensus):
             r.removeOnTickCallback(on_tick)
         return box[0]
 
-    def add_apply_listener(self, fn: ApplyListener) -> None:
-        self._r.listeners.append(fn)
+    def add_apply_listener(
+        self, fn: ApplyListener, on_install: InstallListener | None = None
+    ) -> int:
+        return self._r.add_listener(fn, on_install)
 
     @property
     def compactions(self) -> int:

@@ -104,6 +104,11 @@ class GatewayConfig:
     directory_retry_s: float = 1.0
     """After a failed lookup, route least-loaded for this long before asking again."""
     lookup_batch_max: int = 256
+    directory_mirror: bool = True
+    """Answer lookups from an in-process mirror of the directory (a Watch stream);
+    the RPC path serves while the mirror is stale (kvdir/gateway/mirror_source.py)."""
+    directory_mirror_staleness_ms: int = 1000
+    """Past this lag behind the leader (or silence) the mirror is stale."""
     health_path: str = "/health"
     health_interval_s: float = 2.0
     health_timeout_s: float = 1.0
@@ -251,6 +256,7 @@ def check(cfg: GatewayConfig) -> None:
         "lookup_timeout_ms",
         "directory_retry_s",
         "lookup_batch_max",
+        "directory_mirror_staleness_ms",
         "health_interval_s",
         "health_timeout_s",
         "connect_timeout_s",

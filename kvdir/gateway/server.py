@@ -36,12 +36,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvdir.agent.pull_hint import HEADER as PULL_HEADER
 from kvdir.agent.pull_hint import ROUTE_HEADER, PullHint
+from kvdir.core.mirror import Mirror
+from kvdir.core.mirror_sync import MirrorSync
 from kvdir.gateway.backends import Backend, BackendPool
 from kvdir.gateway.chain import chain_fn, model_namespace
 from kvdir.gateway.config import GatewayConfig, ModelConfig, directory_security, host_port
 from kvdir.gateway.errors import RequestError, bad_request
 from kvdir.gateway.lookup import DirectoryLookups
 from kvdir.gateway.metrics import GatewayMetrics
+from kvdir.gateway.mirror_source import MirroredLookups
 from kvdir.gateway.prompt import ModelPrompts
 from kvdir.routing import SHAPES, Balance, CostModel, Decision, Policy, Prompt, Router
 
@@ -68,6 +71,7 @@ _HOP = frozenset(
 _RESPONSE_DROP = frozenset(h for h in _HOP if h != "content-length")
 _ROUTED = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 _RETRYABLE = (aiohttp.ClientConnectionError, TimeoutError, OSError)
+Lookups = DirectoryLookups | MirroredLookups
 
 
 class _Model:
@@ -99,14 +103,7 @@ class Gateway:
         self._routers: dict[tuple[str, Policy], Router] = {}
         self._default_cost = CostModel(block_tokens=16)
         self.pool = BackendPool(cfg.backends, self._health_changed)
-        self.lookups = DirectoryLookups(
-            cfg.directory,
-            cfg.lookup_timeout_ms / 1000,
-            cfg.directory_retry_s,
-            cfg.lookup_batch_max,
-            on_state=lambda up: self.metrics.directory_up.set(1 if up else 0),
-            security=directory_security(cfg),
-        )
+        self.lookups = _lookups(cfg, lambda up: self.metrics.directory_up.set(1 if up else 0))
         self._rr = 0
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
@@ -400,6 +397,23 @@ class Gateway:
         await resp.write_eof()
         self.metrics.child("requests", endpoint, str(upstream.status)).inc()
         return resp
+
+
+def _lookups(cfg: GatewayConfig, on_state: Callable[[bool], None]) -> Lookups:
+    """The directory source: a mirror in front of the batched RPC path, or the RPC alone."""
+    security = directory_security(cfg)
+    rpc = DirectoryLookups(
+        cfg.directory,
+        cfg.lookup_timeout_ms / 1000,
+        cfg.directory_retry_s,
+        cfg.lookup_batch_max,
+        on_state=on_state,
+        security=security,
+    )
+    if not (cfg.directory_mirror and cfg.directory):
+        return rpc
+    mirror = Mirror(max_staleness_s=cfg.directory_mirror_staleness_ms / 1000)
+    return MirroredLookups(rpc, mirror, MirrorSync(mirror, cfg.directory, security))
 
 
 def _forward_headers(request: web.Request, d: Decision | None) -> dict[str, str]:

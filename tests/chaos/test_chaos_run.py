@@ -50,6 +50,8 @@ def test_bounded_chaos_run_passes_every_check(tmp_path: Path, replicas: int, fau
     assert set(f["faults_by_kind"]) == set(FAULT_KINDS[:faults])
     assert f["lost"] == 0 and f["linearizability_violations"] == 0 and f["undecided_keys"] == 0
     assert f["acknowledged"] > 100 and f["lin_reads_ok"] > 100 and f["local_reads_ok"] > 100
+    assert f["mirror_reads_ok"] > 100  # a client-side mirror read through every fault
+    assert f["mirror_backwards"] == 0 and f["mirror_ahead"] == 0 and f["mirror_phantom"] == 0
     assert f["keys_checked"] >= 4 * 16
     assert f["converged"]
     assert f["agent_crashes"] == f["faults_by_kind"]["agent-crash"] and f["lease_late"] == 0

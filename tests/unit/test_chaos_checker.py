@@ -224,6 +224,35 @@ def test_local_read_staleness_is_measured_from_the_missed_acknowledgement() -> N
     assert checker.local_reads([local(7, 1, 1)], {})["r1"].phantom == 1
 
 
+def mirrored(v: int | None, t0: float, idx: int, commit: int) -> Op:
+    return rd(
+        v, t0, t0 + 0.1, mode="mirror", replica="mirror-0", applied_index=idx, commit_index=commit
+    )
+
+
+def test_mirror_reads_backwards_or_ahead_of_the_commit_index_are_violations() -> None:
+    final = [
+        Event("final-read", 9, {"key": "k", "value": 2}),
+        Event("convergence", 9, {"digests": {"r1": "aa"}, "replicas": 1}),
+    ]
+    good = [pub(1, 0, 1), pub(2, 2, 3), mirrored(1, 1.5, 4, 4), mirrored(2, 4, 6, 9)]
+    rep = checker.check(History(ops=good, events=final))
+    assert rep.violations == [] and rep.figures["mirror_reads_ok"] == 2
+    assert rep.figures["mirror_staleness_s"]["mirror-0"]["n"] == 2
+    back = [pub(1, 0, 1), pub(2, 2, 3), mirrored(2, 4, 6, 6), mirrored(1, 5, 5, 7)]
+    rep = checker.check(History(ops=back, events=final))
+    assert rep.figures["mirror_backwards"] == 2  # index and generation
+    assert any("mirror read went backwards" in v for v in rep.violations)
+    ahead = [pub(1, 0, 1), pub(2, 2, 3), mirrored(2, 4, 8, 7)]
+    rep = checker.check(History(ops=ahead, events=final))
+    assert rep.figures["mirror_ahead"] == 1
+    assert rep.violations == [
+        "mirror read ahead of the commit index: mirror-0 k: applied index 8 > commit 7"
+    ]
+    phantom = [pub(1, 0, 1), mirrored(5, 2, 3, 3)]
+    assert any("never written" in v for v in checker.check(History(ops=phantom)).violations)
+
+
 # ------------------------------------------------------------ leases, faults
 
 

@@ -872,6 +872,179 @@ class ClusterStatusResponse(_message.Message):
 Global___ClusterStatusResponse: _TypeAlias = ClusterStatusResponse  # noqa: Y015
 
 @_typing.final
+class WatchRequest(_message.Message):
+    """---------------------------------------------------------------- Watch
+
+    A replica's committed log as a stream, for in-process mirrors
+    (kvdir/core/mirror.py; docs/directory.md "Watch and mirrors"). The stream
+    starts at a consistent point (a snapshot of the table at an index, or the
+    commands after the caller's `from_index` when this replica still holds
+    them), then sends every committed command after it, in log order, with
+    heartbeats when idle. Only applied commands are ever sent, so any replica's
+    stream is a prefix of the one committed log.
+
+    Statuses: OUT_OF_RANGE: `from_index` is past this replica's commit index
+    (ask another replica, or resume later). RESOURCE_EXHAUSTED: too many
+    watchers or snapshots in flight on this replica, or this watcher fell behind
+    its buffer (`kvdir-reason: watcher-too-slow`): resume from the last applied
+    index; the replica sends a snapshot when it no longer holds the commands.
+    UNAVAILABLE (`kvdir-reason: snapshot-installed`): this replica jumped ahead
+    by installing a leader's snapshot: resume the same way. Authorization is the
+    lookups': any authenticated caller.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FROM_INDEX_FIELD_NUMBER: _builtins.int
+    NAMESPACES_FIELD_NUMBER: _builtins.int
+    from_index: _builtins.int
+    """0: start from a snapshot. N > 0: the committed commands after index N."""
+    @_builtins.property
+    def namespaces(self) -> _containers.RepeatedCompositeFieldContainer[Global___Namespace]:
+        """Only commands of these namespaces (node-wide commands always come); empty:
+        all. A filtered mirror answers lookups in these namespaces only.
+        """
+
+    def __init__(
+        self,
+        *,
+        from_index: _builtins.int = ...,
+        namespaces: _abc.Iterable[Global___Namespace] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_index", b"from_index", "namespaces", b"namespaces"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRequest: _TypeAlias = WatchRequest  # noqa: Y015
+
+@_typing.final
+class WatchSnapshot(_message.Message):
+    """One chunk of a snapshot of the table (directory/snapshot.py's format)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    TOTAL_BYTES_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    LAST_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """the table as of this log index"""
+    total_bytes: _builtins.int
+    """of the whole snapshot"""
+    data: _builtins.bytes
+    """at most 1 MiB"""
+    last: _builtins.bool
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        total_bytes: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+        last: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "index", b"index", "last", b"last", "total_bytes", b"total_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchSnapshot: _TypeAlias = WatchSnapshot  # noqa: Y015
+
+@_typing.final
+class WatchEntries(_message.Message):
+    """Committed commands in log order (directory/codec.py's form); indexes may
+    skip entries that change no table (Raft no-ops, membership, refused writes).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEXES_FIELD_NUMBER: _builtins.int
+    COMMANDS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def indexes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def commands(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """parallel to indexes"""
+
+    def __init__(
+        self,
+        *,
+        indexes: _abc.Iterable[_builtins.int] | None = ...,
+        commands: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commands", b"commands", "indexes", b"indexes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchEntries: _TypeAlias = WatchEntries  # noqa: Y015
+
+@_typing.final
+class WatchHeartbeat(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchHeartbeat: _TypeAlias = WatchHeartbeat  # noqa: Y015
+
+@_typing.final
+class WatchEvent(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    APPLIED_INDEX_FIELD_NUMBER: _builtins.int
+    COMMIT_INDEX_FIELD_NUMBER: _builtins.int
+    REPLICA_ID_FIELD_NUMBER: _builtins.int
+    COMMAND_VERSION_FIELD_NUMBER: _builtins.int
+    applied_index: _builtins.int
+    """Every command up to this index has been sent (heartbeats advance a
+    mirror's position over entries that change nothing).
+    """
+    commit_index: _builtins.int
+    """The leader's commit index as this replica last heard it."""
+    replica_id: _builtins.str
+    command_version: _builtins.int
+    """directory/codec.py VERSION"""
+    @_builtins.property
+    def snapshot(self) -> Global___WatchSnapshot: ...
+    @_builtins.property
+    def entries(self) -> Global___WatchEntries: ...
+    @_builtins.property
+    def heartbeat(self) -> Global___WatchHeartbeat: ...
+    def __init__(
+        self,
+        *,
+        snapshot: Global___WatchSnapshot | None = ...,
+        entries: Global___WatchEntries | None = ...,
+        heartbeat: Global___WatchHeartbeat | None = ...,
+        applied_index: _builtins.int = ...,
+        commit_index: _builtins.int = ...,
+        replica_id: _builtins.str = ...,
+        command_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "event", b"event", "heartbeat", b"heartbeat", "snapshot", b"snapshot"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_index", b"applied_index", "command_version", b"command_version", "commit_index", b"commit_index", "entries", b"entries", "event", b"event", "heartbeat", b"heartbeat", "replica_id", b"replica_id", "snapshot", b"snapshot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["snapshot", "entries", "heartbeat"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___WatchEvent: _TypeAlias = WatchEvent  # noqa: Y015
+
+@_typing.final
 class AddReplicaRequest(_message.Message):
     """Operators' commands (`kvdir ctl add-replica|remove-replica|backup`).
     Membership changes run on the leader only: elsewhere FAILED_PRECONDITION

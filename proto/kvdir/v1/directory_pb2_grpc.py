@@ -79,6 +79,11 @@ class PrefixDirectoryStub:
                 request_serializer=kvdir_dot_v1_dot_directory__pb2.ClusterStatusRequest.SerializeToString,
                 response_deserializer=kvdir_dot_v1_dot_directory__pb2.ClusterStatusResponse.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/kvdir.v1.PrefixDirectory/Watch',
+                request_serializer=kvdir_dot_v1_dot_directory__pb2.WatchRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_directory__pb2.WatchEvent.FromString,
+                _registered_method=True)
 
 
 class PrefixDirectoryServicer:
@@ -138,6 +143,12 @@ class PrefixDirectoryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefixDirectoryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -185,6 +196,11 @@ def add_PrefixDirectoryServicer_to_server(servicer, server):
                     servicer.ClusterStatus,
                     request_deserializer=kvdir_dot_v1_dot_directory__pb2.ClusterStatusRequest.FromString,
                     response_serializer=kvdir_dot_v1_dot_directory__pb2.ClusterStatusResponse.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=kvdir_dot_v1_dot_directory__pb2.WatchRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_directory__pb2.WatchEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -430,6 +446,33 @@ class PrefixDirectory:
             '/kvdir.v1.PrefixDirectory/ClusterStatus',
             kvdir_dot_v1_dot_directory__pb2.ClusterStatusRequest.SerializeToString,
             kvdir_dot_v1_dot_directory__pb2.ClusterStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvdir.v1.PrefixDirectory/Watch',
+            kvdir_dot_v1_dot_directory__pb2.WatchRequest.SerializeToString,
+            kvdir_dot_v1_dot_directory__pb2.WatchEvent.FromString,
             options,
             channel_credentials,
             insecure,

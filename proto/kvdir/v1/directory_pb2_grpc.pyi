@@ -55,6 +55,7 @@ class PrefixDirectoryStub:
     ClearNode: _grpc.UnaryUnaryMultiCallable[_directory_pb2.ClearNodeRequest, _directory_pb2.ClearNodeResponse]
     ListNodes: _grpc.UnaryUnaryMultiCallable[_directory_pb2.ListNodesRequest, _directory_pb2.ListNodesResponse]
     ClusterStatus: _grpc.UnaryUnaryMultiCallable[_directory_pb2.ClusterStatusRequest, _directory_pb2.ClusterStatusResponse]
+    Watch: _grpc.UnaryStreamMultiCallable[_directory_pb2.WatchRequest, _directory_pb2.WatchEvent]
 
 @_typing.type_check_only
 class PrefixDirectoryAsyncStub(PrefixDirectoryStub):
@@ -68,6 +69,7 @@ class PrefixDirectoryAsyncStub(PrefixDirectoryStub):
     ClearNode: _aio.UnaryUnaryMultiCallable[_directory_pb2.ClearNodeRequest, _directory_pb2.ClearNodeResponse]  # type: ignore[assignment]
     ListNodes: _aio.UnaryUnaryMultiCallable[_directory_pb2.ListNodesRequest, _directory_pb2.ListNodesResponse]  # type: ignore[assignment]
     ClusterStatus: _aio.UnaryUnaryMultiCallable[_directory_pb2.ClusterStatusRequest, _directory_pb2.ClusterStatusResponse]  # type: ignore[assignment]
+    Watch: _aio.UnaryStreamMultiCallable[_directory_pb2.WatchRequest, _directory_pb2.WatchEvent]  # type: ignore[assignment]
 
 class PrefixDirectoryServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -132,6 +134,13 @@ class PrefixDirectoryServicer(metaclass=_abc_1.ABCMeta):
         request: _directory_pb2.ClusterStatusRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_directory_pb2.ClusterStatusResponse, _abc.Awaitable[_directory_pb2.ClusterStatusResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Watch(
+        self,
+        request: _directory_pb2.WatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_directory_pb2.WatchEvent], _abc.AsyncIterator[_directory_pb2.WatchEvent]]: ...
 
 def add_PrefixDirectoryServicer_to_server(servicer: PrefixDirectoryServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -1,0 +1,188 @@
+"""The Watch RPC of a replica: its committed log as a stream (the .proto has the contract).
+
+A stream starts either from the hub's history (the caller's `from_index` is
+still covered) or from a snapshot captured between two applies, atomically
+with the watcher's registration, then relays what the hub queues for it, and
+a heartbeat when nothing came for `heartbeat_ms`. Every event carries the
+replica's applied and commit index, so a mirror knows how far behind it is.
+
+The work on the apply path is `observe` (one reference appended per
+watcher); everything else (snapshot encoding, messages) runs on the stream's
+own gRPC thread.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+from collections.abc import Iterator
+
+import grpc
+
+from kvdir.directory import codec, snapshot, validate
+from kvdir.directory.commands import (
+    Barrier,
+    ClearNode,
+    Command,
+    Publish,
+    Rejected,
+    Remove,
+    Result,
+)
+from kvdir.directory.consensus.port import Consensus
+from kvdir.directory.limits import WatchLimits
+from kvdir.directory.watch_hub import Batch, CutOff, Refused, Watcher, WatchHub
+from kvdir.v1 import directory_pb2 as pb
+
+log = logging.getLogger("kvdir.directory.watch")
+
+CAPTURE_TIMEOUT_S = 5.0
+"""Longest a new watcher waits for the apply thread to capture its snapshot."""
+
+
+def namespace_of(cmd: Command) -> str | None:
+    """The namespace a command touches; None for node-wide commands."""
+    if isinstance(cmd, Publish | Remove):
+        return cmd.namespace
+    if isinstance(cmd, ClearNode) and not cmd.deregister:
+        return cmd.namespace
+    return None
+
+
+def changes_table(cmd: Command, result: Result) -> bool:
+    """Whether a mirror must apply this command (refused ones and barriers change nothing)."""
+    return not isinstance(cmd, Barrier) and not isinstance(result, Rejected)
+
+
+class WatchService:
+    """Watch over one replica's `Consensus`: call `attach` once, before serving."""
+
+    def __init__(self, consensus: Consensus, replica_id: str, limits: WatchLimits) -> None:
+        self.consensus = consensus
+        self.replica_id = replica_id
+        self.limits = limits
+        self.hub = WatchHub(limits, self._applied_index)
+        self._snapshots = threading.BoundedSemaphore(limits.snapshots_inflight_max)
+
+    def attach(self) -> None:
+        """Follow the replica's applies and snapshot installs from now on."""
+        self.hub.anchor(self.consensus.add_apply_listener(self.observe, self.hub.reset))
+
+    def _applied_index(self) -> int:
+        return self.consensus.status().applied_index
+
+    def observe(self, index: int, cmd: Command, result: Result) -> None:
+        """The apply listener (consensus thread, before the applied index counts `index`).
+
+        The command is encoded again here, since the port hands decoded commands
+        (the in-memory implementation never had bytes); the codec is canonical,
+        so these are the bytes the log holds."""
+        if changes_table(cmd, result):
+            self.hub.committed(index, codec.encode(cmd), namespace_of(cmd))
+
+    def _event(self, applied: int) -> pb.WatchEvent:
+        return pb.WatchEvent(
+            applied_index=applied,
+            commit_index=max(self.consensus.status().commit_index, applied),
+            replica_id=self.replica_id,
+            command_version=codec.VERSION,
+        )
+
+    def watch(self, req: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchEvent]:
+        """The RPC: `open`, then `next_event` until the caller goes or is cut off."""
+        try:
+            w, chunks = self.open(req)
+        except validate.BadRequest as e:
+            context.set_trailing_metadata((("kvdir-reason", e.reason),))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except Refused as e:
+            context.set_trailing_metadata((("kvdir-reason", e.reason),))
+            context.abort(getattr(grpc.StatusCode, e.code), str(e))
+        w.on_cut = lambda: self._cancel_later(context)
+        try:
+            yield from chunks
+            wait_s = self.limits.heartbeat_ms / 1000
+            while context.is_active():
+                ev = self.next_event(w, wait_s)
+                if isinstance(ev, CutOff):
+                    log.info("watcher cut off", extra={"reason": ev.reason, "at": ev.resume_from})
+                    context.set_trailing_metadata((("kvdir-reason", ev.reason),))
+                    context.abort(getattr(grpc.StatusCode, cut_off_status(ev)), ev.message)
+                yield ev
+        finally:
+            self.hub.close(w)
+
+    def _cancel_later(self, context: grpc.ServicerContext) -> None:
+        """A cut-off stream whose sends are blocked never reaches its status: cancel it
+        after `stalled_cancel_ms` unless it ended by then (limits.py says why)."""
+        t = threading.Timer(self.limits.stalled_cancel_ms / 1000, context.cancel)
+        t.daemon = True
+        context.add_callback(t.cancel)
+        t.start()
+
+    def open(self, req: pb.WatchRequest) -> tuple[Watcher, Iterator[pb.WatchEvent]]:
+        """A watcher and the snapshot events to send first (none when resuming).
+
+        Raises validate.BadRequest or watch_hub.Refused (a gRPC status name)."""
+        nss = frozenset(validate.namespace_key(ns) for ns in req.namespaces) or None
+        if req.from_index:
+            w = self.hub.open_from(req.from_index, nss, self._commit_index())
+            if w is not None:
+                return w, iter(())
+        if not self._snapshots.acquire(blocking=False):
+            raise Refused(
+                "RESOURCE_EXHAUSTED",
+                "too-many-snapshots",
+                f"{self.limits.snapshots_inflight_max} watch snapshots in flight; retry soon",
+            )
+        try:
+            cap = self.consensus.capture(CAPTURE_TIMEOUT_S)
+        except TimeoutError as e:
+            raise Refused("UNAVAILABLE", "replica-busy", str(e)) from e
+        finally:
+            self._snapshots.release()
+        # Commands applied since the capture are in the history (it holds far more
+        # than one capture's worth), so the watcher starts exactly at `index`.
+        image, index = cap.image, cap.index
+        opened = self.hub.open_from(index, nss, self._commit_index())
+        if opened is None:
+            raise Refused("UNAVAILABLE", "replica-busy", "commands outran the history; retry")
+        try:
+            buf = io.BytesIO()
+            snapshot.write_to(buf, image, {}, [])
+        except BaseException:
+            self.hub.close(opened)
+            raise
+        return opened, self._chunks(buf.getvalue(), index)
+
+    def _commit_index(self) -> int:
+        return self.consensus.status().commit_index
+
+    def _chunks(self, data: bytes, index: int) -> Iterator[pb.WatchEvent]:
+        step = self.limits.snapshot_chunk_bytes
+        total = len(data)
+        for off in range(0, max(total, 1), step):
+            ev = self._event(index)
+            ev.snapshot.index, ev.snapshot.total_bytes = index, total
+            ev.snapshot.last = off + step >= total
+            ev.snapshot.data = data[off : off + step]
+            yield ev
+
+    def next_event(self, w: Watcher, wait_s: float) -> pb.WatchEvent | CutOff:
+        """The next event for `w`: commands, or a heartbeat after `wait_s` without any."""
+        item = self.hub.take(w, wait_s)
+        if isinstance(item, CutOff):
+            return item
+        ev = self._event(item.through)
+        if isinstance(item, Batch):
+            ev.entries.indexes.extend(e.index for e in item.entries)
+            ev.entries.commands.extend(e.blob for e in item.entries)
+        else:
+            ev.heartbeat.SetInParent()
+        return ev
+
+
+def cut_off_status(c: CutOff) -> str:
+    """The gRPC status a cut-off watcher gets (the .proto lists them)."""
+    return "RESOURCE_EXHAUSTED" if c.reason == "watcher-too-slow" else "UNAVAILABLE"
