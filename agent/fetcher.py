@@ -172,9 +172,14 @@ class Fetcher:
         chain: list[bytes],
         slots: list[int],
         timeout_s: float | None = None,
+        skip: int = 0,
     ) -> FetchResult:
-        if len(chain) != len(slots):
-            raise FetchError(f"{len(chain)} blocks but {len(slots)} destination slots")
+        """Pull chain[skip:] into `slots` (the caller holds chain[:skip] already;
+        the lookup still matches the whole chain from block 0)."""
+        if not 0 <= skip <= len(chain):
+            raise FetchError(f"skip_blocks {skip} outside the chain of {len(chain)} blocks")
+        if len(chain) - skip != len(slots):
+            raise FetchError(f"{len(chain) - skip} blocks but {len(slots)} destination slots")
         for s in slots:
             pool.check_slot(s)
         if len(set(slots)) != len(slots):
@@ -192,7 +197,7 @@ class Fetcher:
             if left <= 0:
                 break
             try:
-                result = self._pull(ns, pool, chain, slots, match, left)
+                result = self._pull(ns, pool, chain, slots, match, left, skip)
                 break
             except (TransferError, OSError) as e:
                 log.warning(
@@ -225,6 +230,7 @@ class Fetcher:
         slots: list[int],
         match: pb.NodeMatch,
         timeout_s: float,
+        skip: int = 0,
     ) -> FetchResult:
         peer = self.peers.get(match.node_id, match.agent_endpoint)
         info = peer.pools.get(namespace_key(ns))
@@ -234,31 +240,32 @@ class Fetcher:
         n = min(match.prefix_blocks, len(chain))
         slot_bytes = pool.geometry.slot_bytes
         data, headers = [], []
-        for i in range(n):
+        for i in range(skip, n):
             length = rec.lengths[i]
             if length > slot_bytes:
                 n = i  # the holder's block does not fit our slot: stop the prefix here
                 break
-            data.append(Read(rec.addresses[i], rec.rkeys[i], length, pool.data_offset(slots[i])))
+            dst = pool.data_offset(slots[i - skip])
+            data.append(Read(rec.addresses[i], rec.rkeys[i], length, dst))
             remote_slot = (rec.addresses[i] - info.data_address) // info.slot_bytes
             headers.append(
                 Read(
                     info.header_address + remote_slot * HEADER_BYTES,
                     rec.rkeys[i],
                     HEADER_BYTES,
-                    i * HEADER_BYTES,
+                    (i - skip) * HEADER_BYTES,
                 )
             )
-        if n == 0:
+        if n <= skip:
             return FetchResult(source_node=peer.node_id, transport=peer.transport)
         t_end = time.perf_counter() + timeout_s
         moved = peer.channel.read(data, pool.view, timeout_s)
         if self.after_data is not None:
             self.after_data()
-        scratch = bytearray(n * HEADER_BYTES)
+        scratch = bytearray((n - skip) * HEADER_BYTES)
         peer.channel.read(headers, memoryview(scratch), max(0.001, t_end - time.perf_counter()))
-        valid = valid_prefix(scratch, chain[:n], rec.generations[:n])
-        invalid = n - valid
+        valid = valid_prefix(scratch, chain[skip:n], rec.generations[skip:n])
+        invalid = n - skip - valid
         if invalid:
             self.validation_failures += 1
         return FetchResult(valid, peer.node_id, peer.transport, moved, invalid)
