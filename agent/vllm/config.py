@@ -53,6 +53,29 @@ _BOUNDS: dict[str, tuple[float, float]] = {
 }
 
 
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(ConnectorConfig)}
+
+
+def _checked(name: str, value: Any) -> Any:
+    kind = type(_DEFAULTS[name])
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConnectorConfigError(f"kvdir connector: {name} must be true or false")
+        return value
+    if kind is str:
+        if not isinstance(value, str):
+            raise ConnectorConfigError(f"kvdir connector: {name} must be a string")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConnectorConfigError(f"kvdir connector: {name} must be a number")
+    if kind is int and value != int(value):
+        raise ConnectorConfigError(f"kvdir connector: {name} must be an integer")
+    lo, hi = _BOUNDS[name]
+    if not lo <= value <= hi:
+        raise ConnectorConfigError(f"kvdir connector: {name} must be in {lo}..{hi}")
+    return kind(value)
+
+
 def from_extra(extra: dict[str, Any] | None) -> ConnectorConfig:
     """Parse kv_connector_extra_config (unknown keys and bad values are errors)."""
     raw = dict(extra or {})
@@ -63,25 +86,7 @@ def from_extra(extra: dict[str, Any] | None) -> ConnectorConfig:
             f"kvdir connector: unknown kv_connector_extra_config keys: {', '.join(unknown)} "
             f"(known: {', '.join(fields)})"
         )
-    out: dict[str, Any] = {}
-    for name, value in raw.items():
-        default = getattr(ConnectorConfig, name)
-        kind = type(default)
-        if kind is bool:
-            if not isinstance(value, bool):
-                raise ConnectorConfigError(f"kvdir connector: {name} must be true or false")
-        elif kind in (int, float):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ConnectorConfigError(f"kvdir connector: {name} must be a number")
-            if kind is int and value != int(value):
-                raise ConnectorConfigError(f"kvdir connector: {name} must be an integer")
-            lo, hi = _BOUNDS[name]
-            if not lo <= value <= hi:
-                raise ConnectorConfigError(f"kvdir connector: {name} must be in {lo}..{hi}")
-            value = kind(value)
-        elif not isinstance(value, str):
-            raise ConnectorConfigError(f"kvdir connector: {name} must be a string")
-        out[name] = value
+    out = {name: _checked(name, value) for name, value in raw.items()}
     cfg = ConnectorConfig(**out)
     if not cfg.agent_socket:
         raise ConnectorConfigError("kvdir connector: agent_socket is required")

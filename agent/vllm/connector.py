@@ -46,6 +46,18 @@ compat.check(vllm.__version__)
 
 log = logging.getLogger("kvdir.vllm")
 
+
+def _log_like_vllm() -> None:
+    """kvdir's log lines go where vLLM's go (vLLM configures only its own logger)."""
+    ours, theirs = logging.getLogger("kvdir"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        ours.handlers = list(theirs.handlers)
+        ours.setLevel(theirs.level or logging.INFO)
+        ours.propagate = False
+
+
+_log_like_vllm()
+
 UNSEEDED_ALGOS = ("xxhash", "xxhash_cbor")
 
 
@@ -190,7 +202,9 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
         return KvdirMetadata(self.sched.step(scheduled, block_ids))
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Any, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         if self.sched is not None:
             self.sched.finished(request.request_id)
         self._requests.pop(request.request_id, None)
@@ -245,7 +259,9 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a loading request is not in the forward pass
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         return  # saved whole in wait_for_save, after the step's forward
 
     def wait_for_save(self) -> None:

@@ -88,9 +88,7 @@ class SavePlanner:
     def forget(self, req_id: str) -> None:
         self.cursors.pop(req_id, None)
 
-    def due(
-        self, req_id: str, hashes: Sequence[bytes], done_tokens: int
-    ) -> tuple[int, list[int]]:
+    def due(self, req_id: str, hashes: Sequence[bytes], done_tokens: int) -> tuple[int, list[int]]:
         """(first block, indexes of blocks to save) once `done_tokens` are computed."""
         cur = self.cursors.get(req_id)
         if cur is None:

@@ -123,6 +123,18 @@ class SchedulerSide:
             computed_tokens,
             self.cfg.min_load_blocks,
         )
+        if req_id not in self._plans:
+            log.info(
+                "kvdir lookup: request %s, %d blocks, vLLM has %d tokens, pool %d blocks, "
+                "peers %d blocks (%s): load %d tokens",
+                req_id,
+                len(chain),
+                computed_tokens,
+                found.pool_blocks,
+                found.peer_blocks,
+                "answered" if found.answered else "no answer",
+                plan.tokens,
+            )
         self._plans[req_id] = (plan, found)
         return plan.tokens
 
@@ -177,7 +189,7 @@ class SchedulerSide:
         if not self.cfg.save:
             return meta
         for req_id, (done, hashes) in scheduled.items():
-            first, due = self.saves.due(req_id, hashes, done)
+            _first, due = self.saves.due(req_id, hashes, done)
             if not due:
                 continue
             ids = block_ids(req_id)

@@ -27,6 +27,7 @@ from kvdir.agent.pool import KvPool
 from kvdir.agent.vllm.config import ConnectorConfig
 from kvdir.agent.vllm.namespace import NamespaceError, describe
 from kvdir.agent.vllm.plan import Found
+from kvdir.core.wire import namespace_key
 from kvdir.v1 import directory_pb2 as pb
 
 log = logging.getLogger("kvdir.vllm")
@@ -82,7 +83,7 @@ class AgentSeam:
             except EngineError as e:
                 self._down_until = self.clock() + self.cfg.agent_retry_s
                 raise AgentUnavailable(str(e)) from e
-            key = self.ns.SerializeToString(deterministic=True)
+            key = namespace_key(self.ns)
             pool = client.pools.get(key)
             if pool is None or pool.info.slot_bytes < self.slot_bytes_min:
                 client.close()
@@ -103,7 +104,7 @@ class AgentSeam:
     @property
     def pool(self) -> KvPool:
         client = self.attach()
-        return client.pools[self.ns.SerializeToString(deterministic=True)].pool
+        return client.pools[namespace_key(self.ns)].pool
 
     def pool_is_current(self) -> bool:
         """False when the agent now serves another pool file than the one we map
@@ -111,7 +112,7 @@ class AgentSeam:
         client = self._client
         if client is None:
             return False
-        info = client.pools[self.ns.SerializeToString(deterministic=True)].info
+        info = client.pools[namespace_key(self.ns)].info
         try:
             return os.stat(info.path).st_ino == self._pool_inode
         except OSError:

@@ -70,7 +70,9 @@ class KvdirStats(KVConnectorStats):  # type: ignore[misc]  # vLLM is untyped her
     def is_empty(self) -> bool:
         d = self.data
         return not (
-            any(d.get(k) for k in SCALARS) or any(d.get(k) for k in BY_SOURCE) or d["load_seconds"]
+            any(d.get(k) for k in SCALARS)
+            or any(d.get(k) for k in BY_SOURCE)
+            or d.get("load_seconds")
         )
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
@@ -108,7 +110,8 @@ class KvdirPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc]
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._scalars = {
             k: self._counter_cls(
-                name=f"kvdir:{k}_total", documentation=f"kvdir connector: {k}",
+                name=f"kvdir:{k}_total",
+                documentation=f"kvdir connector: {k}",
                 labelnames=labelnames,
             )
             for k in SCALARS

@@ -20,6 +20,7 @@ block is skipped and counted: a future miss, never a wait.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -274,16 +275,12 @@ class WorkerSide:
     def close(self) -> None:
         self._stop.set()
         self._refill.set()
-        try:
+        with contextlib.suppress(queue.Full):
             self._jobs.put_nowait(None)
-        except queue.Full:
-            pass
         for t in self._threads:
             t.join(2.0)
         with self._stash_lock:
             stash, self._stash = self._stash, []
-        try:
+        with contextlib.suppress(AgentUnavailable):
             self.seam.release(stash)
-        except AgentUnavailable:
-            pass
         self.seam.close()
