@@ -69,6 +69,7 @@ class SchedulerSide:
         self._found: dict[str, Found] = {}
         self._plans: dict[str, tuple[LoadPlan, Found]] = {}
         self._loads: list[LoadJob] = []
+        self._attempted: set[str] = set()
         self.saves = SavePlanner(block_tokens)
         self._lock = threading.Lock()
 
@@ -112,6 +113,8 @@ class SchedulerSide:
         self, req_id: str, chain: Sequence[bytes], num_tokens: int, computed_tokens: int
     ) -> int | None:
         """External tokens to load beyond `computed_tokens` (None: ask again)."""
+        if req_id in self._attempted:
+            return 0  # one load per request: after a failed one vLLM recomputes locally
         found = self.found(req_id, chain)
         if found is None:
             return None
@@ -163,6 +166,7 @@ class SchedulerSide:
             pool_slots=found.pool_slots,
         )
         self._loads.append(job)
+        self._attempted.add(req_id)
         # Loaded blocks end up in the pool (fetched ones are kept there too).
         self.saves.admit(req_id, end)
 
@@ -203,6 +207,7 @@ class SchedulerSide:
         self._found.pop(req_id, None)
         self._pending.pop(req_id, None)
         self._plans.pop(req_id, None)
+        self._attempted.discard(req_id)
         self.saves.forget(req_id)
 
     def close(self) -> None:

@@ -65,7 +65,7 @@ class KvdirStats(KVConnectorStats):  # type: ignore[misc]  # vLLM is untyped her
             self.reset()
 
     def reset(self) -> None:
-        self.data = {"loaded_blocks": {}, "loaded_bytes": {}, "load_seconds": []}
+        self.data: dict[str, Any] = {"loaded_blocks": {}, "loaded_bytes": {}, "load_seconds": []}
 
     def is_empty(self) -> bool:
         d = self.data
@@ -76,7 +76,7 @@ class KvdirStats(KVConnectorStats):  # type: ignore[misc]  # vLLM is untyped her
         )
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        o = other.data
+        o: dict[str, Any] = other.data
         for k in SCALARS:
             self.data[k] = self.data.get(k, 0) + o.get(k, 0)
         for k in BY_SOURCE:
@@ -87,7 +87,7 @@ class KvdirStats(KVConnectorStats):  # type: ignore[misc]  # vLLM is untyped her
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        d = self.data
+        d: dict[str, Any] = self.data
         out: dict[str, int | float] = {k: d.get(k, 0) for k in SCALARS}
         for k in BY_SOURCE:
             for src, n in sorted(d.get(k, {}).items()):

@@ -134,7 +134,7 @@ class WorkerSide:
     def finished(self) -> set[str]:
         """Requests whose loads ended since the last call; their failed blocks
         go to `take_errors` in the same step."""
-        out = set()
+        out: set[str] = set()
         while True:
             try:
                 req_id, bad = self._done.get_nowait()

@@ -6,7 +6,10 @@ stdin: one JSON request per line; stdout: one JSON answer per line, after a
 first {"ready": ...} line. Requests:
 
     {"op": "generate", "prompts": [[ids...]], "max_tokens": 8,
-     "cache_salt": null, "lora": null, "prompt_logprobs": false}
+     "cache_salt": null, "lora": null, "logprobs": false, "prompt_logprobs": false}
+
+(vLLM reads no cached prefix for a request that asks for prompt logprobs, so
+tests of loaded prefixes compare the sampled tokens' logprobs.)
     {"op": "metrics"}       vLLM's in-process metrics (counters and gauges by name)
     {"op": "quit"}
 
@@ -57,6 +60,7 @@ def _generate(llm: Any, req: dict[str, Any], lora_dir: str) -> dict[str, Any]:
         temperature=0.0,
         detokenize=False,
         prompt_logprobs=0 if req.get("prompt_logprobs") else None,
+        logprobs=0 if req.get("logprobs") else None,
     )
     prompts = []
     for ids in req["prompts"]:
@@ -76,8 +80,12 @@ def _generate(llm: Any, req: dict[str, Any], lora_dir: str) -> dict[str, Any]:
         lps = None
         if o.prompt_logprobs is not None:
             lps = [None if d is None else next(iter(d.values())).logprob for d in o.prompt_logprobs]
+        sampled = o.outputs[0].logprobs
         answers.append(
             {
+                "logprobs": None
+                if sampled is None
+                else [d[t].logprob for d, t in zip(sampled, o.outputs[0].token_ids, strict=True)],
                 "tokens": list(o.outputs[0].token_ids),
                 "cached": o.num_cached_tokens,
                 "prompt_logprobs": lps,
