@@ -27,10 +27,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvdir.agent.pool import STORED, read_header
-from kvdir.agent.vllm.kvcopy import BlockCopier
 from kvdir.agent.vllm.seam import AgentSeam, AgentUnavailable
+
+if TYPE_CHECKING:  # torch loads only inside vLLM's processes
+    from kvdir.agent.vllm.kvcopy import BlockCopier
 
 log = logging.getLogger("kvdir.vllm")
 
