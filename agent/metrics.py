@@ -96,6 +96,11 @@ class AgentMetrics:
         self.pool_free_slots = Gauge(
             "kvdir_agent_pool_free_slots", "Free slots by pool", ["pool"], registry=r
         )
+        self.pool_evictions = Counter(
+            "kvdir_agent_pool_evictions",
+            "Stored blocks evicted (least recently used) to make room for an allocation",
+            registry=r,
+        )
 
     def bind(
         self,

@@ -325,6 +325,12 @@ class Publisher:
             try:
                 self.client.heartbeat(self.node.node_id, self.incarnation)
                 self.connected = True
+            except ValueError:
+                # The client was closed under a heartbeat in flight: the agent is
+                # stopping (stop() does not join this thread), so leave quietly.
+                if self._stop.is_set():
+                    return
+                raise
             except DirectoryError as e:
                 self.connected = False
                 if e.reason in ("unknown-node", "stale-incarnation"):

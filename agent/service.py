@@ -8,6 +8,7 @@ RESOURCE_EXHAUSTED; nothing a caller sends can take the agent down.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn, cast
@@ -17,7 +18,7 @@ import grpc
 from kvdir.agent.fetcher import Fetcher, FetchError
 from kvdir.agent.gpu_pool import GpuTier
 from kvdir.agent.metrics import AgentMetrics
-from kvdir.agent.pool import STORED, KvPool, PoolError
+from kvdir.agent.pool import STORED, KvPool, PoolError, SlotHeader
 from kvdir.agent.publisher import Publisher
 from kvdir.core.security import current_identity
 from kvdir.core.wire import AGENT_WIRE_VERSION, BadNamespace, namespace_key
@@ -41,6 +42,8 @@ class PoolState:
     tier: int
     index: dict[bytes, int] = field(default_factory=dict)
     """block hash -> slot holding it (verified against the header on use)."""
+    recency: OrderedDict[int, None] = field(default_factory=OrderedDict)
+    """Slots the engine announced stored, least recently used first (eviction order)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     gpu: GpuTier | None = None
     """The agent-owned device slots of a TIER_GPU pool (agent/gpu_pool.py)."""
@@ -56,6 +59,36 @@ class PoolState:
     @property
     def block_rkey(self) -> int:
         return self.gpu_rkey if self.gpu is not None else self.region.rkey
+
+    def touch(self, slots: Sequence[int]) -> None:
+        with self.lock:
+            for s in slots:
+                if s in self.recency:
+                    self.recency.move_to_end(s)
+
+    def forget(self, slots: Sequence[int]) -> None:
+        with self.lock:
+            for s in slots:
+                self.recency.pop(s, None)
+
+    def evict_lru(self, count: int) -> list[tuple[int, SlotHeader]]:
+        """Take up to `count` least recently used stored slots back for rewriting.
+
+        Each slot's generation is bumped *before* it is handed out, so a reader
+        of the old block fails validation once the new owner writes.
+        """
+        out: list[tuple[int, SlotHeader]] = []
+        with self.lock:
+            while len(out) < count and self.recency:
+                slot, _ = self.recency.popitem(last=False)
+                before = self.pool.header(slot)
+                if before.state != STORED:
+                    continue
+                self.pool.evict(slot)
+                if self.index.get(before.block_hash) == slot:
+                    del self.index[before.block_hash]
+                out.append((slot, before))
+        return out
 
     def info(self) -> apb.PoolInfo:
         g = self.pool.geometry
@@ -205,14 +238,37 @@ class EngineService(apb_grpc.EngineServicer):
         state = self.core.pool_of(request.namespace, context)
         if request.count == 0:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "count must be > 0")
-        try:
-            got = state.pool.allocate(request.count)
-        except PoolError as e:
-            _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+        if request.evict:
+            got = self._allocate_evicting(state, request.count)
+        else:
+            try:
+                got = state.pool.allocate(request.count)
+            except PoolError as e:
+                _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         self.core.metrics.pool_free_slots.labels(ns_key(request.namespace)[:16]).set(
             state.pool.free_slots
         )
         return apb.AllocateResponse(slots=[s for s, _ in got], generations=[g for _, g in got])
+
+    def _allocate_evicting(self, state: PoolState, count: int) -> list[tuple[int, int]]:
+        """Free slots first, then least recently used blocks; may return fewer."""
+        got = state.pool.allocate(min(count, state.pool.free_slots))
+        if len(got) < count:
+            evicted = state.evict_lru(count - len(got))
+            if evicted:
+                self._publish_removed(state, evicted)
+                got += [(s, state.pool.header(s).generation) for s, _ in evicted]
+                self.core.metrics.pool_evictions.inc(len(evicted))
+        return got
+
+    def _publish_removed(self, state: PoolState, gone: list[tuple[int, SlotHeader]]) -> None:
+        self.core.publisher.removed(
+            state.namespace,
+            state.tier,
+            [h.block_hash for _, h in gone],
+            [h.generation for _, h in gone],
+            [state.block_address(s) for s, _ in gone],
+        )
 
     def Free(self, request: apb.FreeRequest, context: grpc.ServicerContext) -> apb.FreeResponse:
         state = self.core.pool_of(request.namespace, context)
@@ -220,19 +276,14 @@ class EngineService(apb_grpc.EngineServicer):
             freed = state.pool.free(list(request.slots))
         except PoolError as e:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        state.forget([s for s, _ in freed])
         gone = [(s, h) for s, h in freed if h.state == STORED]
         if gone:
             with state.lock:
                 for s, h in gone:
                     if state.index.get(h.block_hash) == s:
                         del state.index[h.block_hash]
-            self.core.publisher.removed(
-                state.namespace,
-                state.tier,
-                [h.block_hash for _, h in gone],
-                [h.generation for _, h in gone],
-                [state.block_address(s) for s, _ in gone],
-            )
+            self._publish_removed(state, gone)
         return apb.FreeResponse(freed=len(freed))
 
     def Notify(
@@ -261,6 +312,7 @@ class EngineService(apb_grpc.EngineServicer):
                 for h, s in zip(request.removed_hashes, request.removed_slots, strict=True):
                     if state.index.get(h) == s:
                         del state.index[h]
+                        state.recency.pop(s, None)
             pool = state.pool
             slots = list(request.removed_slots)
             if any(not 0 <= s < pool.geometry.slots for s in slots):
@@ -296,6 +348,8 @@ class EngineService(apb_grpc.EngineServicer):
             gens.append(g)
             with state.lock:
                 state.index[h] = s
+                state.recency[s] = None
+                state.recency.move_to_end(s)
         if stale:
             self.core.metrics.stale_notifications.inc(stale)
         if hashes:
@@ -321,6 +375,7 @@ class EngineService(apb_grpc.EngineServicer):
             )
         self.core.metrics.lookups.inc()
         local = state.local_prefix(chain)
+        state.touch(local)
         resp = apb.EngineLookupResponse(local_blocks=len(local), local_slots=local)
         if chain:
             try:
@@ -346,7 +401,13 @@ class EngineService(apb_grpc.EngineServicer):
         timeout = request.timeout_ms / 1000 if request.timeout_ms else None
         try:
             r = self.core.fetcher.fetch(
-                request.namespace, state.pool, chain, slots, timeout, gpu=state.gpu
+                request.namespace,
+                state.pool,
+                chain,
+                slots,
+                timeout,
+                gpu=state.gpu,
+                skip=request.skip_blocks,
             )
         except (FetchError, PoolError) as e:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -400,7 +400,12 @@ class AllocateRequest(_message.Message):
 
     NAMESPACE_FIELD_NUMBER: _builtins.int
     COUNT_FIELD_NUMBER: _builtins.int
+    EVICT_FIELD_NUMBER: _builtins.int
     count: _builtins.int
+    evict: _builtins.bool
+    """When the pool has fewer free slots, evict the least recently used stored
+    blocks (generation bumped, removal published) to make up the count.
+    """
     @_builtins.property
     def namespace(self) -> _directory_pb2.Namespace: ...
     def __init__(
@@ -408,10 +413,11 @@ class AllocateRequest(_message.Message):
         *,
         namespace: _directory_pb2.Namespace | None = ...,
         count: _builtins.int = ...,
+        evict: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "namespace", b"namespace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "evict", b"evict", "namespace", b"namespace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -643,8 +649,14 @@ class FetchRequest(_message.Message):
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
     SLOTS_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    SKIP_BLOCKS_FIELD_NUMBER: _builtins.int
     timeout_ms: _builtins.int
     """0 = agent default"""
+    skip_blocks: _builtins.int
+    """Blocks of the chain the caller already has: only chain[skip_blocks:] is
+    read, into `slots` (one per block from skip_blocks on); valid_blocks then
+    counts from skip_blocks too.
+    """
     @_builtins.property
     def namespace(self) -> _directory_pb2.Namespace: ...
     @_builtins.property
@@ -662,10 +674,11 @@ class FetchRequest(_message.Message):
         block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
         slots: _abc.Iterable[_builtins.int] | None = ...,
         timeout_ms: _builtins.int = ...,
+        skip_blocks: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "namespace", b"namespace", "slots", b"slots", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "namespace", b"namespace", "skip_blocks", b"skip_blocks", "slots", b"slots", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -684,7 +697,7 @@ class FetchResponse(_message.Message):
     READ_SECONDS_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
     valid_blocks: _builtins.int
-    """leading blocks now valid in the given slots"""
+    """leading blocks (from skip_blocks) now valid in the given slots"""
     source_node: _builtins.str
     transport: _builtins.str
     bytes: _builtins.int

@@ -1,0 +1,86 @@
+"""Worker side: moving blocks between vLLM's per-layer KV caches and pool slots.
+
+vLLM hands connectors one logical ``[B, H, N, C]`` view per layer (dim 0 is
+the block; strides follow the backend's physical layout). A pool slot holds
+one block of every layer, layer l's [H, N, C] part at l x layer_block_bytes,
+row-major. Every move is one gather and one scatter per layer for the whole
+batch of blocks (index_select / index_copy_), never a loop over blocks.
+A CUDA cache gets one host<->device copy per layer on top.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvdir.agent.pool import KvPool
+from kvdir.agent.vllm.namespace import KvShape, NamespaceError, dtype_name
+
+
+def shape_of(kv_caches: dict[str, torch.Tensor], device: str) -> KvShape:
+    """The KvShape of registered caches (every layer must look alike)."""
+    if not kv_caches:
+        raise NamespaceError("kvdir connector: vLLM registered no KV caches")
+    layers = list(kv_caches.values())
+    first = layers[0]
+    for name, t in kv_caches.items():
+        if t.dim() < 2 or t.shape[1:] != first.shape[1:] or t.dtype != first.dtype:
+            raise NamespaceError(
+                f"kvdir connector: layer {name} has KV shape {tuple(t.shape)} {t.dtype}, "
+                f"unlike {tuple(first.shape)} {first.dtype} (hybrid models are not supported)"
+            )
+    if len({t.data_ptr() for t in layers}) != len(layers):
+        raise NamespaceError("kvdir connector: layers share KV caches (not supported)")
+    return KvShape(
+        layers=len(layers),
+        block_shape=tuple(int(d) for d in first.shape[1:]),
+        dtype=dtype_name(first.dtype),
+        itemsize=first.element_size(),
+        device=device,
+    )
+
+
+class BlockCopier:
+    """Gathers and scatters blocks between the KV caches and one mapped pool."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], shape: KvShape, pool: KvPool) -> None:
+        g = pool.geometry
+        if g.slot_bytes < shape.block_bytes:
+            raise NamespaceError(
+                f"kvdir connector: pool slots of {g.slot_bytes} B hold no block of "
+                f"{shape.block_bytes} B"
+            )
+        self.layers = list(kv_caches.values())
+        self.shape = shape
+        data = pool.view[g.data_offset : g.data_offset + g.slots * g.slot_bytes]
+        self._keep = data  # the tensor below borrows this buffer
+        slots = torch.frombuffer(data, dtype=torch.uint8).view(g.slots, g.slot_bytes)
+        lb = shape.layer_block_bytes
+        self.pool_layers = [slots[:, i * lb : (i + 1) * lb] for i in range(shape.layers)]
+
+    @staticmethod
+    def _index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+        return torch.tensor(list(ids), dtype=torch.long, device=device)
+
+    def to_pool(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        """Save: vLLM blocks -> pool slots."""
+        if not block_ids:
+            return
+        n = len(block_ids)
+        si = self._index(slots, torch.device("cpu"))
+        bi = self._index(block_ids, self.layers[0].device)
+        for kv, dst in zip(self.layers, self.pool_layers, strict=True):
+            src = kv.index_select(0, bi).cpu()  # contiguous [n, H, N, C]
+            dst.index_copy_(0, si, src.view(torch.uint8).reshape(n, -1))
+
+    def from_pool(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
+        """Load: pool slots -> vLLM blocks."""
+        if not block_ids:
+            return
+        n = len(block_ids)
+        si = self._index(slots, torch.device("cpu"))
+        bi = self._index(block_ids, self.layers[0].device)
+        for kv, src in zip(self.layers, self.pool_layers, strict=True):
+            part = src.index_select(0, si).view(kv.dtype).view(n, *kv.shape[1:])
+            kv.index_copy_(0, bi, part.to(kv.device))

@@ -1,0 +1,109 @@
+"""Pure scheduler-side planning: how many tokens to load, which blocks to save.
+
+No I/O, no clock, no vLLM: the scheduler adapter passes numbers in.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvdir.agent.vllm.config import CHAIN_BLOCKS_MAX
+
+RECENT_SAVES_MAX = 65_536
+"""Hashes this engine saved lately, so a prefix shared in one batch is saved once."""
+
+
+@dataclass(frozen=True, slots=True)
+class Found:
+    """What one lookup found for a request's chain, from block 0."""
+
+    pool_slots: tuple[int, ...] = ()
+    """Slots of this node's pool holding the leading blocks."""
+    peer_blocks: int = 0
+    """The longest prefix any peer holds."""
+    answered: bool = False
+    """False when the agent or the directory did not answer in time (nothing loads)."""
+
+    @property
+    def pool_blocks(self) -> int:
+        return len(self.pool_slots)
+
+
+NOTHING = Found()
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    tokens: int
+    """External tokens beyond the local hit (what get_num_new_matched_tokens returns)."""
+    start_block: int
+    end_block: int
+    from_pool: int
+    """Blocks of [start_block, end_block) this node's pool is expected to supply."""
+
+
+def plan_load(
+    found: Found,
+    num_hashes: int,
+    num_tokens: int,
+    block_tokens: int,
+    computed_tokens: int,
+    min_blocks: int = 1,
+) -> LoadPlan:
+    """Full blocks to load after the `computed_tokens` vLLM has locally (block aligned).
+
+    The block holding the prompt's last token is never loaded: vLLM computes
+    at least that token to sample the next one.
+    """
+    start = computed_tokens // block_tokens
+    cap = min(num_hashes, max(0, num_tokens - 1) // block_tokens, CHAIN_BLOCKS_MAX)
+    end = min(cap, max(found.pool_blocks, found.peer_blocks))
+    if end - start < min_blocks:
+        return LoadPlan(0, start, start, 0)
+    from_pool = max(0, min(end, found.pool_blocks) - start)
+    return LoadPlan(end * block_tokens - computed_tokens, start, end, from_pool)
+
+
+@dataclass(slots=True)
+class SaveCursor:
+    """Per request: the first block not yet in (or on its way to) this node's pool."""
+
+    next_block: int
+
+
+@dataclass(slots=True)
+class SavePlanner:
+    """Which newly completed full blocks go to the pool, once each."""
+
+    block_tokens: int
+    cursors: dict[str, SaveCursor] = field(default_factory=dict)
+    recent: OrderedDict[bytes, None] = field(default_factory=OrderedDict)
+
+    def admit(self, req_id: str, known_blocks: int) -> None:
+        """A request starts with `known_blocks` leading blocks already in the pool."""
+        self.cursors[req_id] = SaveCursor(known_blocks)
+
+    def forget(self, req_id: str) -> None:
+        self.cursors.pop(req_id, None)
+
+    def due(self, req_id: str, hashes: Sequence[bytes], done_tokens: int) -> tuple[int, list[int]]:
+        """(first block, indexes of blocks to save) once `done_tokens` are computed."""
+        cur = self.cursors.get(req_id)
+        if cur is None:
+            return 0, []
+        full = min(len(hashes), done_tokens // self.block_tokens)
+        out = []
+        for i in range(cur.next_block, full):
+            h = hashes[i]
+            if h in self.recent:
+                self.recent.move_to_end(h)
+                continue
+            self.recent[h] = None
+            out.append(i)
+        while len(self.recent) > RECENT_SAVES_MAX:
+            self.recent.popitem(last=False)
+        first = cur.next_block
+        cur.next_block = max(cur.next_block, full)
+        return first, out

@@ -1,0 +1,215 @@
+"""Scheduler side: bounded lookups and the per-step load/save metadata.
+
+`matched` answers get_num_new_matched_tokens. The first call for a request
+starts one lookup (local pool + directory, through the agent) on a small
+thread pool and waits at most lookup_wait_ms; while it is pending the answer
+is None ("ask again next step"), and past lookup_timeout_ms it is 0. An
+agent or directory that is down therefore costs a request at most
+lookup_timeout_ms of waiting (then agent_retry_s of immediate zeros), and
+never blocks the scheduler loop longer than lookup_wait_ms per call. The
+answer is cached per request, so repeated calls are free and consistent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvdir.agent.vllm.config import ConnectorConfig
+from kvdir.agent.vllm.plan import NOTHING, Found, LoadPlan, SavePlanner, plan_load
+from kvdir.agent.vllm.seam import AgentSeam, AgentUnavailable
+from kvdir.agent.vllm.worker import LoadJob, SaveJob
+
+log = logging.getLogger("kvdir.vllm")
+
+LOOKUP_THREADS = 2
+PENDING_LOOKUPS_MAX = 1024
+
+
+@dataclass(slots=True)
+class _Pending:
+    future: Future[Found]
+    started: float
+
+
+@dataclass(slots=True)
+class StepMeta:
+    """What one step's workers do: loads to start, blocks to save."""
+
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveJob] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class LookupCounts:
+    lookups: int = 0
+    timeouts: int = 0
+    agent_down: int = 0
+
+
+class SchedulerSide:
+    def __init__(
+        self,
+        seam: AgentSeam,
+        cfg: ConnectorConfig,
+        block_tokens: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.seam = seam
+        self.cfg = cfg
+        self.block_tokens = block_tokens
+        self.clock = clock
+        self.counts = LookupCounts()
+        self._pool = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kvdir-lookup")
+        self._pending: dict[str, _Pending] = {}
+        self._found: dict[str, Found] = {}
+        self._plans: dict[str, tuple[LoadPlan, Found]] = {}
+        self._loads: list[LoadJob] = []
+        self._attempted: set[str] = set()
+        self.saves = SavePlanner(block_tokens)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ lookups
+
+    def _lookup(self, chain: tuple[bytes, ...]) -> Found:
+        try:
+            return self.seam.lookup(chain)
+        except AgentUnavailable:
+            self.counts.agent_down += 1
+            return NOTHING
+
+    def found(self, req_id: str, chain: Sequence[bytes]) -> Found | None:
+        """The lookup's answer, NOTHING when it cannot be had in time, None while pending."""
+        done = self._found.get(req_id)
+        if done is not None:
+            return done
+        p = self._pending.get(req_id)
+        if p is None:
+            if not chain or not self.seam.available() or len(self._pending) >= PENDING_LOOKUPS_MAX:
+                return self._settle(req_id, NOTHING)
+            self.counts.lookups += 1
+            p = self._pending[req_id] = _Pending(
+                self._pool.submit(self._lookup, tuple(chain)), self.clock()
+            )
+        try:
+            return self._settle(req_id, p.future.result(self.cfg.lookup_wait_ms / 1000))
+        except TimeoutError:
+            pass
+        if self.clock() - p.started >= self.cfg.lookup_timeout_ms / 1000:
+            self.counts.timeouts += 1
+            return self._settle(req_id, NOTHING)
+        return None
+
+    def _settle(self, req_id: str, found: Found) -> Found:
+        self._pending.pop(req_id, None)
+        self._found[req_id] = found
+        return found
+
+    def matched(
+        self, req_id: str, chain: Sequence[bytes], num_tokens: int, computed_tokens: int
+    ) -> int | None:
+        """External tokens to load beyond `computed_tokens` (None: ask again)."""
+        if req_id in self._attempted:
+            return 0  # one load per request: after a failed one vLLM recomputes locally
+        found = self.found(req_id, chain)
+        if found is None:
+            return None
+        plan = plan_load(
+            found,
+            len(chain),
+            num_tokens,
+            self.block_tokens,
+            computed_tokens,
+            self.cfg.min_load_blocks,
+        )
+        if req_id not in self._plans:
+            log.info(
+                "kvdir lookup: request %s, %d blocks, vLLM has %d tokens, pool %d blocks, "
+                "peers %d blocks (%s): load %d tokens",
+                req_id,
+                len(chain),
+                computed_tokens,
+                found.pool_blocks,
+                found.peer_blocks,
+                "answered" if found.answered else "no answer",
+                plan.tokens,
+            )
+        self._plans[req_id] = (plan, found)
+        return plan.tokens
+
+    # ------------------------------------------------------- allocation
+
+    def allocated(
+        self, req_id: str, chain: Sequence[bytes], block_ids: Sequence[int], external: int
+    ) -> None:
+        """vLLM allocated `block_ids` (the request's whole table) for `external` tokens."""
+        entry = self._plans.get(req_id)
+        found = entry[1] if entry else NOTHING
+        if external <= 0 or entry is None:
+            # Nothing to load: what the pool holds is known, the rest is saved as computed.
+            if req_id not in self.saves.cursors:
+                self.saves.admit(req_id, found.pool_blocks if found.answered else 0)
+            return
+        plan = entry[0]
+        # vLLM may trim what we offered; a partly promised block is loaded whole.
+        want = plan.start_block * self.block_tokens + external
+        end = min(plan.end_block, -(-want // self.block_tokens))
+        job = LoadJob(
+            req_id=req_id,
+            hashes=tuple(chain[:end]),
+            start_block=plan.start_block,
+            block_ids=tuple(block_ids[plan.start_block : end]),
+            pool_slots=found.pool_slots,
+        )
+        self._loads.append(job)
+        self._attempted.add(req_id)
+        # Loaded blocks end up in the pool (fetched ones are kept there too).
+        self.saves.admit(req_id, end)
+
+    def source_tokens(self, req_id: str) -> tuple[int, int]:
+        """(tokens expected from this node's pool, from peers) of the request's load."""
+        entry = self._plans.get(req_id)
+        if entry is None:
+            return 0, 0
+        plan = entry[0]
+        pool = plan.from_pool * self.block_tokens
+        return pool, plan.tokens - pool
+
+    # --------------------------------------------------------------- steps
+
+    def step(
+        self,
+        scheduled: dict[str, tuple[int, Sequence[bytes]]],
+        block_ids: Callable[[str], Sequence[int] | None],
+    ) -> StepMeta:
+        """This step's metadata. `scheduled`: req id -> (tokens computed after
+        this step, the request's block hashes)."""
+        meta = StepMeta(loads=self._loads)
+        self._loads = []
+        if not self.cfg.save:
+            return meta
+        for req_id, (done, hashes) in scheduled.items():
+            _first, due = self.saves.due(req_id, hashes, done)
+            if not due:
+                continue
+            ids = block_ids(req_id)
+            if ids is None:
+                continue
+            due = [i for i in due if i < len(ids)]
+            meta.saves.append(SaveJob(tuple(hashes[i] for i in due), tuple(ids[i] for i in due)))
+        return meta
+
+    def finished(self, req_id: str) -> None:
+        self._found.pop(req_id, None)
+        self._pending.pop(req_id, None)
+        self._plans.pop(req_id, None)
+        self._attempted.discard(req_id)
+        self.saves.forget(req_id)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.seam.close()

@@ -1,0 +1,175 @@
+"""The connector's seam with the node agent: the few verbs it needs, and nothing else.
+
+    lookup(chain)                -> Found      this node's pool prefix + the best peer prefix
+    reserve(n)                   -> slots      pool slots to write into (evicting LRU blocks)
+    fetch(chain, skip, slots)    -> Fetched    a peer's blocks chain[skip:] into those slots
+    stored(hashes, slots)                      the slots hold these blocks: keep and publish
+    release(slots)                             give unused slots back
+
+Errors: every verb raises AgentUnavailable (and nothing else) when the agent
+cannot be reached or answers an error; after one, `available()` is False
+for `agent_retry_s` so callers answer "nothing to load" without asking.
+The pool mapping is the engine library's (agent/engine_client.py): bytes
+never cross the socket. `stored` only queues (engine_client ships batches).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvdir.agent.engine_client import EngineClient, EngineError
+from kvdir.agent.pool import KvPool
+from kvdir.agent.vllm.config import ConnectorConfig
+from kvdir.agent.vllm.namespace import NamespaceError, describe
+from kvdir.agent.vllm.plan import Found
+from kvdir.core.wire import namespace_key
+from kvdir.v1 import directory_pb2 as pb
+
+log = logging.getLogger("kvdir.vllm")
+
+ATTACH_TIMEOUT_S = 2.0
+
+
+class AgentUnavailable(Exception):
+    """The node agent did not answer, or refused (the message says which)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    valid_blocks: int
+    transport: str = ""
+    bytes: int = 0
+    invalidated: int = 0
+    source_node: str = ""
+
+
+class AgentSeam:
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        ns: pb.Namespace,
+        slot_bytes_min: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.ns = ns
+        self.slot_bytes_min = slot_bytes_min
+        self.clock = clock
+        self._client: EngineClient | None = None
+        self._pool_inode = 0
+        self._down_until = 0.0
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ attach
+
+    def attach(self) -> EngineClient:
+        """The engine client, attaching (again) when needed.
+
+        A reachable agent without a pool for this namespace, or with slots too
+        small, is a configuration error: NamespaceError says what to add.
+        """
+        with self._lock:
+            if self._client is not None:
+                return self._client
+            if self.clock() < self._down_until:
+                raise AgentUnavailable("the agent failed recently")
+            try:
+                client = EngineClient(self.cfg.agent_socket, timeout_s=ATTACH_TIMEOUT_S)
+            except EngineError as e:
+                self._down_until = self.clock() + self.cfg.agent_retry_s
+                raise AgentUnavailable(str(e)) from e
+            key = namespace_key(self.ns)
+            pool = client.pools.get(key)
+            if pool is None or pool.info.slot_bytes < self.slot_bytes_min:
+                client.close()
+                have = "no pool" if pool is None else f"slots of {pool.info.slot_bytes} B"
+                raise NamespaceError(
+                    f"kvdir connector: the agent at {self.cfg.agent_socket} has {have} for this "
+                    f"engine; add to its config: {describe(self.ns, self.slot_bytes_min)}"
+                )
+            self._pool_inode = os.stat(pool.info.path).st_ino
+            self._client = client
+            log.info("attached to the kvdir agent", extra={"node": client.node_id})
+            return client
+
+    def available(self) -> bool:
+        """False for agent_retry_s after a failure (callers then skip the agent)."""
+        return self.clock() >= self._down_until
+
+    @property
+    def pool(self) -> KvPool:
+        client = self.attach()
+        return client.pools[namespace_key(self.ns)].pool
+
+    def pool_is_current(self) -> bool:
+        """False when the agent now serves another pool file than the one we map
+        (it restarted with a new shape): then bytes it wrote are not in our mapping."""
+        client = self._client
+        if client is None:
+            return False
+        info = client.pools[namespace_key(self.ns)].info
+        try:
+            return os.stat(info.path).st_ino == self._pool_inode
+        except OSError:
+            return False
+
+    def _failed(self, e: Exception) -> AgentUnavailable:
+        """Note a failure: callers back off; a client whose pool file is gone is dropped."""
+        self._down_until = self.clock() + self.cfg.agent_retry_s
+        if not self.pool_is_current():
+            self.close()
+        return AgentUnavailable(str(e))
+
+    # ------------------------------------------------------------- verbs
+
+    def lookup(self, chain: Sequence[bytes]) -> Found:
+        client = self.attach()
+        try:
+            resp = client.lookup(self.ns, chain, timeout_s=self.cfg.lookup_timeout_ms / 1000)
+        except EngineError as e:
+            raise self._failed(e) from e
+        peer = max((p.prefix_blocks for p in resp.peers), default=0)
+        return Found(tuple(resp.local_slots), peer, answered=True)
+
+    def reserve(self, count: int) -> list[int]:
+        client = self.attach()
+        try:
+            return client.allocate(self.ns, count, evict=True).slots
+        except EngineError as e:
+            raise self._failed(e) from e
+
+    def fetch(self, chain: Sequence[bytes], skip: int, slots: Sequence[int]) -> Fetched:
+        client = self.attach()
+        try:
+            r = client.fetch(self.ns, chain, slots, self.cfg.load_timeout_ms, skip_blocks=skip)
+        except EngineError as e:
+            raise self._failed(e) from e
+        if not self.pool_is_current():
+            raise self._failed(EngineError("the agent's pool file changed under us"))
+        return Fetched(r.valid_blocks, r.transport, r.bytes, r.invalidated, r.source_node)
+
+    def stored(self, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
+        client = self.attach()
+        try:
+            client.stored(self.ns, hashes, slots)
+        except EngineError as e:
+            raise self._failed(e) from e
+
+    def release(self, slots: Sequence[int]) -> None:
+        if not slots or self._client is None:
+            return
+        try:
+            self._client.free(self.ns, slots)
+        except EngineError as e:
+            raise self._failed(e) from e
+
+    def close(self) -> None:
+        with self._lock:
+            client, self._client = self._client, None
+        if client is not None:
+            client.close()

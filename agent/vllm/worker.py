@@ -1,0 +1,289 @@
+"""Worker side: validated loads into vLLM's blocks, and saves into the node's pool.
+
+Load (a background thread per worker; the forward pass never waits on it):
+1. blocks this node's pool holds are copied pool -> vLLM blocks seqlock style:
+   slot headers read before and after the copy must be equal, STORED, with the
+   block's hash; the first block that fails ends the local part;
+2. the rest is fetched by the agent from the best peer into reserved pool
+   slots (validated by the agent against the holder's headers after the
+   read, as for every fetch) and copied into vLLM blocks; those slots are
+   then announced stored, so the fetched blocks stay in the pool and are
+   published;
+3. every vLLM block past the valid prefix is reported as a load error, so
+   vLLM recomputes it (kv_load_failure_policy="recompute").
+
+Save (wait_for_save, after the step's forward): full blocks computed this step
+are gathered into slots reserved ahead by a refill thread and announced stored
+(queued; the agent publishes asynchronously). With no reserved slot at hand a
+block is skipped and counted: a future miss, never a wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvdir.agent.pool import STORED, read_header
+from kvdir.agent.vllm.seam import AgentSeam, AgentUnavailable
+
+if TYPE_CHECKING:  # torch loads only inside vLLM's processes
+    from kvdir.agent.vllm.kvcopy import BlockCopier
+
+log = logging.getLogger("kvdir.vllm")
+
+LOAD_QUEUE_MAX = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class LoadJob:
+    req_id: str
+    hashes: tuple[bytes, ...]
+    """The chain from block 0 to end_block."""
+    start_block: int
+    block_ids: tuple[int, ...]
+    """vLLM block ids of blocks start_block..end_block-1."""
+    pool_slots: tuple[int, ...]
+    """This node's pool slots of the chain's leading blocks (from the lookup)."""
+
+    @property
+    def end_block(self) -> int:
+        return len(self.hashes)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveJob:
+    hashes: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class Stats:
+    """Counters since the last drain (vLLM's stats path takes them per step)."""
+
+    loaded_blocks: dict[str, int] = field(default_factory=dict)
+    """By source: "pool" (this node) or the transport ("shm", "tcp", "rdma")."""
+    loaded_bytes: dict[str, int] = field(default_factory=dict)
+    saved_blocks: int = 0
+    saved_bytes: int = 0
+    save_skipped: int = 0
+    validation_misses: int = 0
+    recomputed_blocks: int = 0
+    load_seconds: list[float] = field(default_factory=list)
+
+    def add_loaded(self, source: str, blocks: int, nbytes: int) -> None:
+        self.loaded_blocks[source] = self.loaded_blocks.get(source, 0) + blocks
+        self.loaded_bytes[source] = self.loaded_bytes.get(source, 0) + nbytes
+
+
+def valid_local(
+    before: Sequence[tuple[int, int, bytes]],
+    after: Sequence[tuple[int, int, bytes]],
+    hashes: Sequence[bytes],
+) -> int:
+    """Leading blocks whose slot header did not move during the copy and names them."""
+    for i, (b, a, h) in enumerate(zip(before, after, hashes, strict=True)):
+        if b != a or a[1] != STORED or a[2] != h:
+            return i
+    return len(hashes)
+
+
+class WorkerSide:
+    def __init__(
+        self,
+        seam: AgentSeam,
+        copier: BlockCopier,
+        reserve_slots: int,
+        save: bool,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.seam = seam
+        self.copier = copier
+        self.block_bytes = copier.shape.block_bytes
+        self.reserve_target = reserve_slots
+        self.save_enabled = save
+        self.clock = clock
+        self.stats = Stats()
+        self._stats_lock = threading.Lock()
+        self._jobs: queue.Queue[LoadJob | None] = queue.Queue(LOAD_QUEUE_MAX)
+        self._done: queue.Queue[tuple[str, list[int]]] = queue.Queue()
+        self._errors: set[int] = set()
+        self._stash: list[int] = []
+        self._stash_lock = threading.Lock()
+        self._refill = threading.Event()
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._load_loop, name="kvdir-load", daemon=True),
+            threading.Thread(target=self._refill_loop, name="kvdir-reserve", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        self._refill.set()
+
+    # -------------------------------------------------------------- loads
+
+    def submit(self, job: LoadJob) -> None:
+        """Queue a load (never blocks: a full queue fails the job, vLLM recomputes)."""
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            self._done.put((job.req_id, list(job.block_ids)))
+
+    def finished(self) -> set[str]:
+        """Requests whose loads ended since the last call; their failed blocks
+        go to `take_errors` in the same step."""
+        out: set[str] = set()
+        while True:
+            try:
+                req_id, bad = self._done.get_nowait()
+            except queue.Empty:
+                return out
+            out.add(req_id)
+            self._errors.update(bad)
+
+    def take_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    def _load_loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                bad = self._load(job)
+            except Exception:  # a bug here must cost a recompute, never the engine
+                log.exception("kvdir load failed; vLLM recomputes", extra={"req": job.req_id})
+                bad = list(job.block_ids)
+            with self._stats_lock:
+                self.stats.recomputed_blocks += len(bad)
+            self._done.put((job.req_id, bad))
+
+    def _load(self, job: LoadJob) -> list[int]:
+        t0 = self.clock()
+        start, end = job.start_block, job.end_block
+        got = start + self._load_local(job)
+        if got < end:
+            got += self._load_remote(job, got)
+        with self._stats_lock:
+            self.stats.load_seconds.append(self.clock() - t0)
+        return list(job.block_ids[got - start :])
+
+    def _headers(self, slots: Sequence[int]) -> list[tuple[int, int, bytes]]:
+        pool = self.seam.pool
+        out = []
+        for s in slots:
+            h = read_header(pool.view, pool.header_offset(s))
+            out.append((h.generation, h.state, h.block_hash))
+        return out
+
+    def _load_local(self, job: LoadJob) -> int:
+        start = job.start_block
+        slots = list(job.pool_slots[start : job.end_block])
+        if not slots:
+            return 0
+        before = self._headers(slots)
+        self.copier.from_pool(slots, job.block_ids[: len(slots)])
+        n = valid_local(before, self._headers(slots), job.hashes[start : start + len(slots)])
+        with self._stats_lock:
+            self.stats.add_loaded("pool", n, n * self.block_bytes)
+            if n < len(slots):
+                self.stats.validation_misses += 1
+        return n
+
+    def _load_remote(self, job: LoadJob, got: int) -> int:
+        try:
+            slots = self.seam.reserve(job.end_block - got)
+        except AgentUnavailable:
+            return 0
+        if not slots:
+            return 0
+        try:
+            r = self.seam.fetch(job.hashes[: got + len(slots)], got, slots)
+        except AgentUnavailable:
+            self._give_back(slots)
+            return 0
+        v = r.valid_blocks
+        first = got - job.start_block
+        self.copier.from_pool(slots[:v], job.block_ids[first : first + v])
+        try:
+            if v:
+                self.seam.stored(job.hashes[got : got + v], slots[:v])
+        except AgentUnavailable:
+            pass
+        self._give_back(slots[v:])
+        with self._stats_lock:
+            self.stats.add_loaded(r.transport or "none", v, r.bytes)
+            if r.invalidated:
+                self.stats.validation_misses += 1
+        return v
+
+    # -------------------------------------------------------------- saves
+
+    def save(self, jobs: Sequence[SaveJob]) -> None:
+        """Copy this step's completed blocks into reserved slots, announce them."""
+        if not self.save_enabled or not jobs:
+            return
+        hashes = [h for j in jobs for h in j.hashes]
+        blocks = [b for j in jobs for b in j.block_ids]
+        with self._stash_lock:
+            n = min(len(blocks), len(self._stash))
+            slots, self._stash = self._stash[:n], self._stash[n:]
+        if len(self._stash) < self.reserve_target // 2:
+            self._refill.set()
+        with self._stats_lock:
+            self.stats.save_skipped += len(blocks) - n
+        if n == 0:
+            return
+        self.copier.to_pool(blocks[:n], slots)
+        try:
+            self.seam.stored(hashes[:n], slots)
+        except AgentUnavailable:
+            self._give_back(slots)
+            return
+        with self._stats_lock:
+            self.stats.saved_blocks += n
+            self.stats.saved_bytes += n * self.block_bytes
+
+    def _give_back(self, slots: Sequence[int]) -> None:
+        with self._stash_lock:
+            self._stash.extend(slots)
+
+    def _refill_loop(self) -> None:
+        while not self._stop.is_set():
+            self._refill.wait(1.0)
+            self._refill.clear()
+            if self._stop.is_set() or not self.save_enabled:
+                return
+            with self._stash_lock:
+                missing = self.reserve_target - len(self._stash)
+            if missing <= 0 or not self.seam.available():
+                continue
+            try:
+                got = self.seam.reserve(missing)
+            except AgentUnavailable:
+                continue
+            self._give_back(got)
+
+    def drain_stats(self) -> Stats:
+        with self._stats_lock:
+            out, self.stats = self.stats, Stats()
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._refill.set()
+        with contextlib.suppress(queue.Full):
+            self._jobs.put_nowait(None)
+        for t in self._threads:
+            t.join(2.0)
+        with self._stash_lock:
+            stash, self._stash = self._stash, []
+        with contextlib.suppress(AgentUnavailable):
+            self.seam.release(stash)
+        self.seam.close()

