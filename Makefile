@@ -74,3 +74,9 @@ bench-rdma: $(STAMP)  # kvdir's RDMA READs vs ib_read_bw inside the Soft-RoCE VM
 .PHONY: fuzz
 fuzz: $(STAMP)
 	$(VENV)/bin/kvdir fuzz --cases 300 --atheris-runs 300000 --out bench/results/fuzz-$$(date -u +%F).md
+
+# The container image, built offline (deploy/image; docs/operations.md "Container image").
+# IMAGE=registry.example.com/kvdir:TAG names it; the image tier is `pytest -m image`.
+.PHONY: image
+image: $(STAMP)
+	PYTHON=$(CURDIR)/$(PY) deploy/image/build.sh

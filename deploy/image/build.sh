@@ -40,17 +40,19 @@ MMDEBSTRAP_ARGS=(
   --dpkgopt=path-exclude=/usr/share/info/*
 )
 
-log() { printf '[kvdir-image] %s\n' "$*" >&2; }
+log() { printf "[kvdir-image %3ds] %s\n" "$SECONDS" "$*" >&2; }
 die() { log "error: $*"; exit 1; }
 sha() { sha256sum | cut -c1-16; }
 
 check_tools() {
   local t missing=()
-  for t in "$PODMAN" mmdebstrap apt-cache git "$PYTHON"; do
+  for t in "$PODMAN" mmdebstrap apt-cache dpkg-query git "$PYTHON"; do
     command -v "$t" >/dev/null 2>&1 || missing+=("$t")
   done
   ((${#missing[@]} == 0)) || die "missing: ${missing[*]} (apt-get install --no-install-recommends podman runc catatonit mmdebstrap)"
   local v
+  v="$(. /etc/os-release && echo "${VERSION_CODENAME:-}")"
+  [[ "$v" == "$SUITE" ]] || die "this host is Debian '$v', the base is built for $SUITE from its apt sources"
   v="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
   [[ "$v" == "$IMAGE_PYTHON" ]] || die "$PYTHON is Python $v; the image's is $IMAGE_PYTHON and its wheels must match (PYTHON=python$IMAGE_PYTHON)"
 }
@@ -73,7 +75,8 @@ base_versions() {
   local names
   names="$(
     {
-      apt-cache dumpavail | awk '/^Package:/ {p = $2} /^Essential: yes/ {print p}'
+      # the essential set, as installed here (this host is a bookworm too: check_tools)
+      dpkg-query -W -f '${Package} ${Essential}\n' | awk '$2 == "yes" {print $1}'
       apt-cache depends --recurse --no-recommends --no-suggests --no-conflicts \
         --no-breaks --no-replaces --no-enhances "${BASE_PACKAGES[@]}" | grep -v '^ ' | grep -v '^<'
     } | sort -u
@@ -177,6 +180,7 @@ main() {
   version="$("$PYTHON" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["version"])' "$REPO/pyproject.toml")"
   IMAGE="${IMAGE:-localhost/kvdir:$version}"
   commit="$(source_commit)"
+  log "resolving the base's package versions"
   key="$(base_tarball)"
   base="$(base_image "$key")"
   deps="$(dependency_wheels)"
@@ -186,6 +190,7 @@ main() {
   local ctx="$CTX"
   mkdir "$ctx/wheels"
   cp -l "$deps"/*.whl "$ctx/wheels/" 2>/dev/null || cp "$deps"/*.whl "$ctx/wheels/"
+  log "building kvdir's wheel"
   kvdir_wheel "$ctx/wheels"
   wheel="$ctx/wheels/kvdir-$version-py3-none-any.whl"
   [[ -f "$wheel" ]] || die "no $wheel was built"
@@ -200,6 +205,7 @@ main() {
     --build-arg "KVDIR_COMMIT=$commit" \
     --build-arg "KVDIR_WHEEL_SHA256=$digest" \
     --tag "$IMAGE" "$ctx" >&2
+  log "built $IMAGE"
   echo "$IMAGE"
   "$PODMAN" image inspect --format '{{.Id}}' "$IMAGE"
 }

@@ -5,14 +5,19 @@ the check needs no cluster; strict mode rejects unknown fields. A broken copy
 proves the check bites. The directory's entrypoint (in its ConfigMap) is run
 with a fake pod name and a stand-in `kvdir`, and the command line it builds is
 parsed by the real `kvdir directory serve` config code; the agent's ConfigMap is
-loaded by the real agent config code with the DaemonSet's flags.
+loaded by the real agent config code with the DaemonSet's flags. The image is
+a kustomize parameter: kustomization.yaml covers every manifest and names the
+release, and an overlay rendered by `kubectl kustomize` sets every container's
+image (by tag or digest) and still validates.
 """
 
 from __future__ import annotations
 
 import copy
 import os
+import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +47,9 @@ def _one(name: str, kind: str, obj_name: str | None = None) -> dict[str, Any]:
     return found[0]
 
 
-ALL = [(f.name, i) for f in sorted(K8S.glob("*.yaml")) for i in range(len(_docs(f.name)))]
+KUSTOMIZATION = "kustomization.yaml"
+MANIFESTS = sorted(f.name for f in K8S.glob("*.yaml") if f.name != KUSTOMIZATION)
+ALL = [(name, i) for name in MANIFESTS for i in range(len(_docs(name)))]
 
 
 @pytest.mark.parametrize(("name", "index"), ALL)
@@ -194,3 +201,74 @@ def test_entrypoint_refuses_a_pod_it_cannot_place(tmp_path: Path, hostname: str)
     r = _run_entrypoint(tmp_path, hostname)
     assert r.returncode == 64, (r.stdout, r.stderr)
     assert "entrypoint:" in r.stderr
+
+
+# ---------------------------------------------------------------- the image parameter
+
+
+def _images(docs: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for d in docs:
+        pod = d.get("spec", {}).get("template", {}).get("spec", {})
+        out += [c["image"] for c in pod.get("containers", []) + pod.get("initContainers", [])]
+    return out
+
+
+def _version() -> str:
+    with open(K8S.parents[1] / "pyproject.toml", "rb") as f:
+        return str(tomllib.load(f)["project"]["version"])
+
+
+def test_kustomization_covers_every_manifest_and_names_the_release() -> None:
+    k = yaml.safe_load((K8S / KUSTOMIZATION).read_text())
+    assert sorted(k["resources"]) == MANIFESTS
+    (image,) = k["images"]
+    assert image == {"name": "kvdir", "newTag": _version()}
+    every = [i for name in MANIFESTS for i in _images(_docs(name))]
+    assert every and set(every) == {f"kvdir:{_version()}"}  # one name for kustomize to set
+
+
+def _kustomize(overlay: Path) -> list[dict[str, Any]]:
+    out = subprocess.run(
+        ["kubectl", "kustomize", str(overlay)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+@pytest.mark.skipif(
+    shutil.which("kubectl") is None, reason="kubectl (its built-in kustomize) is not installed"
+)
+@pytest.mark.parametrize(
+    "image",
+    [
+        {"newName": "registry.example.com/infra/kvdir", "newTag": "0.1.0-rc1"},
+        {"newName": "registry.example.com/infra/kvdir", "digest": "sha256:" + "ab" * 32},
+    ],
+)
+def test_an_overlay_sets_the_image_and_the_result_validates(
+    tmp_path: Path, image: dict[str, str]
+) -> None:
+    overlay = tmp_path / "prod"
+    overlay.mkdir()
+    (overlay / KUSTOMIZATION).write_text(
+        yaml.safe_dump(
+            {
+                "resources": [os.path.relpath(K8S, overlay)],
+                "images": [{"name": "kvdir", **image}],
+            }
+        )
+    )
+    docs = _kustomize(overlay)
+    ref = image["newName"] + (f":{image['newTag']}" if "newTag" in image else "")
+    ref += f"@{image['digest']}" if "digest" in image else ""
+    assert set(_images(docs)) == {ref}
+    assert {d["metadata"].get("namespace") for d in docs} == {"kvdir"}
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(d["kind"] for name in MANIFESTS for d in _docs(name))
+    for d in docs:
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
