@@ -57,6 +57,15 @@ check_tools() {
   [[ "$v" == "$IMAGE_PYTHON" ]] || die "$PYTHON is Python $v; the image's is $IMAGE_PYTHON and its wheels must match (PYTHON=python$IMAGE_PYTHON)"
 }
 
+# The cache keeps one base and one wheel set (about 100 MB and 150 MB): the current ones.
+prune() {
+  local pattern="$1" keep="$2" f
+  for f in "$CACHE"/$pattern; do
+    [[ -e "$f" && "${f##*/}" != "$keep" && "${f##*/}" != *build.* ]] || continue
+    rm -rf "$f" "${f%.tar}.versions"
+  done
+}
+
 # ---------------------------------------------------------------- 1. base
 
 apt_sources() {
@@ -105,6 +114,7 @@ base_tarball() {
     fi
     printf '%s\n' "$versions" > "$CACHE/base-$key.versions"
     mv "$tmp" "$tar"
+    prune "base-*.tar" "base-$key.tar"
   fi
   echo "$key"
 }
@@ -144,6 +154,7 @@ dependency_wheels() {
     printf '%s\n' "$deps" > "$tmp/requirements.txt"
     rm -rf "$dest"
     mv "$tmp" "$dest"
+    prune "wheels-*" "wheels-$key"
   fi
   echo "$dest"
 }
@@ -210,4 +221,4 @@ main() {
   "$PODMAN" image inspect --format '{{.Id}}' "$IMAGE"
 }
 
-main "$@"
+main "$@"; exit

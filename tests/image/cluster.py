@@ -56,6 +56,15 @@ operators of starved hosts to set. This 2-core machine runs other jobs beside th
 heartbeats are merely late (eight elections in a minute in one run)."""
 
 
+GATEWAY = "kvdir-gateway"
+BACKEND = "engine-stub"
+"""An engine's stand-in for the gateway: Python's http.server from the image, answering
+GET / (the gateway's health_path here) with 200."""
+BACKEND_NODE = "agent-a/stub/dp0"
+GATEWAY_LISTEN = "127.0.0.1:8080"
+BACKEND_LISTEN = ("127.0.0.1", 8000)
+
+
 def replica_container(r: str) -> str:
     return f"kvdir-directory-{r}"
 
@@ -116,30 +125,64 @@ def agent_config(agent: str) -> dict[str, Any]:
     return cfg
 
 
+def gateway_config() -> dict[str, Any]:
+    """deploy/config/gateway.toml routing to the stub backend; token-id prompts only."""
+    cfg = _template("gateway.toml")
+    cfg.update(listen=GATEWAY_LISTEN, directory=[grpc(r) for r in REPLICAS], health_path="/")
+    model = dict(cfg["models"][0])
+    model.update(name=MODEL, tokenizer="", chat_template="", block_tokens=BLOCK_TOKENS)
+    cfg["models"] = [model]
+    host, port = BACKEND_LISTEN
+    cfg["backends"] = [
+        {
+            "url": f"http://{host}:{port}",
+            "node_id": BACKEND_NODE,
+            "host": host,
+            "transports": ["tcp"],
+            "max_concurrency": 4,
+        }
+    ]
+    return cfg
+
+
 def write_configs(folder: Path) -> dict[str, Path]:
-    """Container name -> its config file on the host."""
+    """Container name -> its config file on the host, in start order."""
+    docs = {replica_container(r): directory_config(r) for r in REPLICAS}
+    docs |= {agent_container(a): agent_config(a) for a in AGENTS}
+    docs[GATEWAY] = gateway_config()
     out = {}
-    for r in REPLICAS:
-        out[replica_container(r)] = folder / f"directory-{r}.toml"
-        out[replica_container(r)].write_text(to_toml(directory_config(r)))
-    for a in AGENTS:
-        out[agent_container(a)] = folder / f"agent-{a}.toml"
-        out[agent_container(a)].write_text(to_toml(agent_config(a)))
-    for p in out.values():
-        p.chmod(0o644)  # read by the image's user through the bind mount
+    for name, doc in docs.items():
+        out[name] = folder / f"{name}.toml"
+        out[name].write_text(to_toml(doc))
+        out[name].chmod(0o644)  # read by the image's user through the bind mount
     return out
 
 
+ROLES = {
+    "kvdir-directory-": (["directory", "serve"], "/etc/kvdir/directory.toml"),
+    "kvdir-agent-": (["agent", "serve"], "/etc/kvdir/agent.toml"),
+    GATEWAY: (["gateway"], "/etc/kvdir/gateway.toml"),
+}
+
+
 def run_args(name: str, config: Path, image: str) -> list[str]:
-    """`podman run` for one of the pod's containers (the role is the command)."""
-    is_replica = name.startswith("kvdir-directory-")
-    target = "/etc/kvdir/directory.toml" if is_replica else "/etc/kvdir/agent.toml"
+    """`podman run` for one of the pod's kvdir containers (the role is the command)."""
+    ((command, target),) = [v for k, v in ROLES.items() if name.startswith(k)]
     args = ["run", "--detach", "--pod", POD, "--name", name, "--restart", "always"]
     args += ["--read-only", "--volume", f"{config}:{target}:ro"]
-    if is_replica:
+    if command[0] == "directory":
         args += ["--volume", f"{name}-data:/var/lib/kvdir"]
-    role = ["directory", "serve"] if is_replica else ["agent", "serve"]
-    return [*args, image, *role, "--config", target]
+    return [*args, image, *command, "--config", target]
+
+
+def backend_args(image: str) -> list[str]:
+    """The stub engine: SIGINT stops http.server cleanly (PID 1 ignores an unhandled SIGTERM)."""
+    host, port = BACKEND_LISTEN
+    return [
+        *("run", "--detach", "--pod", POD, "--name", BACKEND, "--read-only"),
+        *("--stop-signal", "SIGINT", "--entrypoint", "python", image),
+        *("-m", "http.server", "--bind", host, "--directory", "/tmp", str(port)),
+    ]
 
 
 def wait(probe: Callable[[], T | None], timeout_s: float, what: str) -> T:

@@ -63,8 +63,8 @@ def dns_name(sts: Doc, ordinal: int, namespace: str) -> str:
 
 HEALTHCHECK = "/usr/local/bin/kvdir-healthcheck"
 """The image's HEALTHCHECK command (deploy/image/Containerfile)."""
-PROBE_TIMEOUT_S = 10
-"""The image's HEALTHCHECK --timeout: the script itself waits up to 5 s."""
+PROBE_TIMEOUT_S = 30
+"""The image's HEALTHCHECK --timeout (a Python start of the CLI, then up to 5 s of waiting)."""
 
 
 def _container(c: Doc, namespace: str) -> Doc:

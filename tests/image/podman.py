@@ -29,11 +29,14 @@ import shutil
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 TOOLS = ("podman", "runc", "catatonit", "mmdebstrap", "apt-cache", "git")
 INSTALL_HINT = "apt-get install --no-install-recommends podman runc catatonit mmdebstrap"
+PROBES_AT_ONCE = 2
+"""Healthchecks run in parallel (the machine's cores): each is a Python start of the CLI."""
 CALL_TIMEOUT_S = 120.0
 """One podman command (run, exec, stop); the build and waits have their own bounds."""
 POLL_S = 0.25
@@ -109,19 +112,31 @@ class Podman:
         return self("healthcheck", "run", name, check=False).returncode == 0
 
     def wait_healthy(self, names: list[str], timeout_s: float) -> dict[str, float]:
-        """Seconds from now until each container's HEALTHCHECK passed, bounded."""
+        """Seconds from now until each container's HEALTHCHECK passed, bounded.
+
+        Containers are probed PROBES_AT_ONCE at a time: one probe is a `podman
+        exec` and a Python start of the CLI (seconds on a loaded host); in turn,
+        each container's time would include the others' probes, and all at once,
+        they starve the daemons they probe.
+        """
         t0 = time.monotonic()
         deadline = t0 + timeout_s
-        ready: dict[str, float] = {}
-        while len(ready) < len(names):
-            for n in names:
-                if n not in ready and self.healthy(n):
-                    ready[n] = round(time.monotonic() - t0, 2)
-            if len(ready) < len(names) and time.monotonic() >= deadline:
-                missing = [n for n in names if n not in ready]
-                logs = {n: self("logs", "--tail", "20", n, check=False).stdout for n in missing}
-                raise PodmanError(f"not healthy after {timeout_s:.0f}s: {missing}; logs: {logs}")
-        return ready
+
+        def one(name: str) -> float | None:
+            while True:
+                if self.healthy(name):
+                    return round(time.monotonic() - t0, 2)
+                if time.monotonic() >= deadline:
+                    return None
+                time.sleep(POLL_S)
+
+        with ThreadPoolExecutor(max_workers=PROBES_AT_ONCE) as pool:
+            got = dict(zip(names, pool.map(one, names), strict=True))
+        missing = [n for n, s in got.items() if s is None]
+        if missing:
+            logs = {n: self("logs", "--tail", "20", n, check=False).stderr for n in missing}
+            raise PodmanError(f"not healthy after {timeout_s:.0f}s: {missing}; logs: {logs}")
+        return {n: s for n, s in got.items() if s is not None}
 
     def reset(self) -> None:
         """Remove every container, image and volume of this store, then the store."""
@@ -152,6 +167,8 @@ def unusable_reason(podman: Podman) -> str | None:
     The probe is a real container: a pod's infra container (podman's pause
     image, built locally from catatonit) started by runc.
     """
+    if missing_tools():
+        return f"missing {', '.join(missing_tools())} ({INSTALL_HINT})"
     if os.geteuid() != 0:
         return "the image tier runs podman as root (mmdebstrap, overlay storage, runc)"
     for args in (

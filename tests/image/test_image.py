@@ -6,9 +6,11 @@ base and wheels. Then:
 
 1. the image itself: labels (version, source commit), the non-root user, the
    HEALTHCHECK, no compilers and no pip inside, only `kvdir` installed;
-2. one pod (--network none: only `lo`) of three directory replicas and two
-   agents, each the same image with its role as the command: all five
-   healthy by their HEALTHCHECK; an engine in agent a's container stores a
+2. one pod (--network none: only `lo`) of three directory replicas, two
+   agents and a gateway, each the same image with its role as the command
+   (and a stub engine for the gateway): all six healthy by their
+   HEALTHCHECK, every listener on loopback; the gateway sees its backend and
+   the directory; an engine in agent a's container stores a
    chain, every replica's `kvdir ctl lookup` finds it, the engine in agent
    b's container looks it up and pulls it from agent a over TCP, byte-exact;
    the leader's container is SIGKILLed and `--restart always` brings it back
@@ -91,6 +93,7 @@ def test_the_pods_configs_load_with_the_daemons_loaders(tmp_path: Path) -> None:
     image's), and kube.py's conversion of the manifest is still a valid Kubernetes Pod."""
     from kvdir.agent import config as agent_config
     from kvdir.directory import config as directory_config
+    from kvdir.gateway import config as gateway_config
 
     paths = cluster.write_configs(tmp_path)
     for r in cluster.REPLICAS:
@@ -100,6 +103,9 @@ def test_the_pods_configs_load_with_the_daemons_loaders(tmp_path: Path) -> None:
     for a in cluster.AGENTS:
         acfg = agent_config.load(str(paths[cluster.agent_container(a)]))
         assert acfg.node_id == f"agent-{a}" and acfg.transports == ("tcp",)
+    gcfg = gateway_config.load(str(paths[cluster.GATEWAY]))
+    assert gcfg.listen == cluster.GATEWAY_LISTEN
+    assert gcfg.backends[0].node_id == cluster.BACKEND_NODE
     with open(K8S / "directory.yaml") as f:
         docs = [d for d in yaml.safe_load_all(f) if d]
     played = kube.playable_directory(docs, NAMESPACE)
@@ -142,16 +148,22 @@ def test_image_labels_user_healthcheck_and_contents(podman: pm.Podman, built: im
 # ---------------------------------------------------------------- the pod
 
 
-def _start_pod(podman: pm.Podman, ref: str, configs: dict[str, Path]) -> dict[str, float]:
+def _start_pod(podman: pm.Podman, ref: str, configs: dict[str, Path]) -> None:
     podman("pod", "create", "--name", cluster.POD, "--network", "none", "--shm-size",
            cluster.SHM_SIZE)  # fmt: skip
+    podman(*cluster.backend_args(ref))  # the gateway's backend, up before anything of kvdir's
     t0 = time.monotonic()
+    started = {}
     for name, config in configs.items():
+        started[name] = time.monotonic()
         podman(*cluster.run_args(name, config, ref))
+    waited = time.monotonic()
     ready = podman.wait_healthy(list(configs), cluster.START_TIMEOUT_S)
-    started = round(time.monotonic() - t0, 2)
-    report("pod start to ready", all_healthy_s=started, per_container_s=ready)
-    return ready
+    report(
+        "pod start to ready",
+        all_healthy_s=round(waited + max(ready.values()) - t0, 2),
+        each_run_to_healthy_s={n: round(waited + s - started[n], 2) for n, s in ready.items()},
+    )
 
 
 def _listening(podman: pm.Podman, name: str) -> set[str]:
@@ -177,6 +189,21 @@ def _assert_only_loopback(podman: pm.Podman) -> None:
     assert _listening(podman, via) <= loopback, _listening(podman, via)
     pid = podman.inspect(via, "{{.State.Pid}}")
     assert os.readlink(f"/proc/{pid}/ns/net") != os.readlink("/proc/self/ns/net")
+
+
+GATEWAY_HEALTH = f"""
+import json, urllib.request
+with urllib.request.urlopen("http://{cluster.GATEWAY_LISTEN}/health", timeout=10) as r:
+    print(json.dumps(json.load(r)))
+"""
+
+
+def _gateway_routes_to_its_backend(podman: pm.Podman) -> None:
+    """The gateway role of the same image: its backend healthy, its directory reachable."""
+    out = podman("exec", "-i", cluster.GATEWAY, "python", "-", stdin=GATEWAY_HEALTH).stdout
+    health = json.loads(out)
+    assert health["healthy_backends"] == [cluster.BACKEND_NODE], health
+    assert health["directory_up"] is True, health
 
 
 def _publish_and_pull(podman: pm.Podman) -> list[str]:
@@ -260,6 +287,7 @@ def _stop_gracefully(podman: pm.Podman) -> None:
     pod_stop_s = round(time.monotonic() - t0, 2)
     names = [cluster.replica_container(r) for r in cluster.REPLICAS]
     names += [cluster.agent_container(a) for a in cluster.AGENTS]
+    names += [cluster.GATEWAY, cluster.BACKEND]
     codes = {n: podman.inspect(n, "{{.State.ExitCode}} {{.State.Status}}") for n in names}
     assert set(codes.values()) == {"0 exited"}, codes  # SIGTERM handled, not SIGKILLed
     report("stopped", leader_stop_s=leader_stop_s, then_leader=third, pod_stop_s=pod_stop_s)
@@ -267,13 +295,14 @@ def _stop_gracefully(podman: pm.Podman) -> None:
 
 @needs_tools
 @pytest.mark.timeout(image.BUILD_TIMEOUT_S + 900)
-def test_pod_of_three_replicas_and_two_agents(
+def test_pod_of_three_replicas_two_agents_and_a_gateway(
     podman: pm.Podman, built: image.Built, tmp_path: Path
 ) -> None:
     configs = cluster.write_configs(tmp_path)
     try:
         _start_pod(podman, built.ref, configs)
         _assert_only_loopback(podman)
+        _gateway_routes_to_its_backend(podman)
         hashes = _publish_and_pull(podman)
         _kill_leader_and_see_it_back(podman, hashes)
         _stop_gracefully(podman)
