@@ -51,6 +51,7 @@ check_tools() {
   done
   ((${#missing[@]} == 0)) || die "missing: ${missing[*]} (apt-get install --no-install-recommends podman runc catatonit mmdebstrap)"
   local v
+  # shellcheck source=/dev/null
   v="$(. /etc/os-release && echo "${VERSION_CODENAME:-}")"
   [[ "$v" == "$SUITE" ]] || die "this host is Debian '$v', the base is built for $SUITE from its apt sources"
   v="$("$PYTHON" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
