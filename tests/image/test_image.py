@@ -42,6 +42,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.deploy.test_k8s import K8S_VERSION
 from tests.image import cluster, image, kube
 from tests.image import podman as pm
 from tests.tools import needs
@@ -111,7 +112,7 @@ def test_the_pods_configs_load_with_the_daemons_loaders(tmp_path: Path) -> None:
     played = kube.playable_directory(docs, NAMESPACE)
     assert [d["kind"] for d in played] == ["ConfigMap", "PersistentVolumeClaim", "Pod"]
     for d in played:
-        kubernetes_validate.validate(d, "1.37.0", strict=True)
+        kubernetes_validate.validate(d, K8S_VERSION, strict=True)
 
 
 # ---------------------------------------------------------------- the image
