@@ -19,19 +19,28 @@ from tests.vllm.model import HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS
 LORA_RANK = 8
 """Must not exceed the engine's max_lora_rank (engine_driver.py: 8)."""
 LORA_ALPHA = 16
-LORA_SCALE = 0.05
+LORA_SCALE = 0.1
 """Std-dev of the random weights: large enough to change the output, small enough to stay finite."""
-TARGETS = {"q_proj": HEADS * HEAD_DIM, "v_proj": KV_HEADS * HEAD_DIM}
-"""Target module -> its output width (both read the hidden state)."""
+TARGETS = {
+    "q_proj": (HIDDEN, HEADS * HEAD_DIM),
+    "v_proj": (HIDDEN, KV_HEADS * HEAD_DIM),
+    "o_proj": (HEADS * HEAD_DIM, HIDDEN),
+}
+"""Target module -> (input, output) width. v_proj changes the KV itself; o_proj
+writes to the residual stream, so the adapter shows in the output logprobs too
+(the dummy base weights are tiny)."""
 
 
 def _tensors(seed: int) -> dict[str, tuple[list[int], list[float]]]:
     rng = random.Random(seed)
     out: dict[str, tuple[list[int], list[float]]] = {}
     for layer in range(LAYERS):
-        for module, width in TARGETS.items():
+        for module, (width_in, width_out) in TARGETS.items():
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            for part, shape in (("lora_A", [LORA_RANK, HIDDEN]), ("lora_B", [width, LORA_RANK])):
+            for part, shape in (
+                ("lora_A", [LORA_RANK, width_in]),
+                ("lora_B", [width_out, LORA_RANK]),
+            ):
                 n = shape[0] * shape[1]
                 out[f"{prefix}.{part}.weight"] = (
                     shape,

@@ -35,8 +35,8 @@ from tests.vllm.model import BLOCK_TOKENS
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-PROMPT_TOKENS = 800
-OUT_TOKENS = 16
+PROMPT_TOKENS = 320
+OUT_TOKENS = 8
 LOGPROB_TOL = 0.05
 """bf16 KV: a loaded prefix and a recomputed one may differ in the last bits."""
 LORAS = {"a": 1, "b": 2}
