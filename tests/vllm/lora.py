@@ -19,15 +19,16 @@ from tests.vllm.model import HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS
 LORA_RANK = 8
 """Must not exceed the engine's max_lora_rank (engine_driver.py: 8)."""
 LORA_ALPHA = 16
-LORA_SCALE = 0.1
-"""Std-dev of the random weights: large enough to change the output, small enough to stay finite."""
+LORA_SCALE = 1.0
+"""Std-dev of the random weights: the adapter must dominate the tiny dummy base weights
+(+-1e-3) for two adapters to pick different greedy tokens; bf16 stays finite."""
 TARGETS = {
     "q_proj": (HIDDEN, HEADS * HEAD_DIM),
     "v_proj": (HIDDEN, KV_HEADS * HEAD_DIM),
     "o_proj": (HEADS * HEAD_DIM, HIDDEN),
 }
 """Target module -> (input, output) width. v_proj changes the KV itself; o_proj
-writes to the residual stream, so the adapter shows in the output logprobs too
+writes to the residual stream, so the adapter changes the greedy tokens too
 (the dummy base weights are tiny)."""
 
 
