@@ -10,7 +10,8 @@ first {"ready": ...} line. Requests:
 
 (vLLM reads no cached prefix for a request that asks for prompt logprobs, so
 tests of loaded prefixes compare the sampled tokens' logprobs.)
-    {"op": "metrics"}       vLLM's in-process metrics (counters and gauges by name)
+    {"op": "metrics"}       vLLM's in-process metrics (counters and gauges by name),
+                            and the connector's kvdir:*_total counters
     {"op": "quit"}
 
 The engine keeps running between requests, so one start (~20 s here) serves
@@ -105,6 +106,24 @@ def _metrics(llm: Any) -> dict[str, float]:
             if extra:
                 key = f"{key}{{{extra}}}"
             out[key] = out.get(key, 0.0) + float(value)
+    out.update(_kvdir_counters())
+    return out
+
+
+def _kvdir_counters() -> dict[str, float]:
+    """The connector's counters (stats.py): vLLM's metrics reader keeps only vllm:*."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for family in REGISTRY.collect():
+        if not family.name.startswith("kvdir:"):
+            continue
+        for s in family.samples:
+            if not s.name.endswith("_total"):
+                continue
+            extra = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "engine")
+            key = f"{s.name}{{{extra}}}" if extra else s.name
+            out[key] = out.get(key, 0.0) + float(s.value)
     return out
 
 
