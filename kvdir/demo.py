@@ -49,6 +49,14 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--conversations", type=int, default=DEMO_CONVERSATIONS)
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--engine",
+        choices=("sim", "vllm"),
+        default="sim",
+        help="vllm: real vLLM CPU servers behind kvdir gateway (kvdir/replay/vllm_demo.py)",
+    )
+    p.add_argument("--servers", type=int, default=2, help="--engine vllm: 2..4 vllm serve")
+    p.add_argument("--out", default="", help="--engine vllm: also write Markdown + JSON here")
     p.set_defaults(func=run)
 
 
@@ -57,6 +65,10 @@ def step(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from kvdir.replay import vllm_demo
+
+        return vllm_demo.run(args)
     s = Settings(**{**vars(DEMO), "nodes": args.nodes, "seed": args.seed})
     s.synth_conversations = args.conversations
     s.progress = not args.no_progress
