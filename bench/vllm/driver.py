@@ -2,8 +2,11 @@
 
     python -m bench.vllm.driver CONFIG_JSON
 
-The bench needs the connector's `kvdir:load_seconds` (a histogram), which the
-test driver's metrics leave out: here a histogram appears as NAME_sum and
+The bench needs the connector's own series (kvdir:loaded_bytes_total by
+source, the kvdir:load_seconds histogram), which vLLM's get_metrics() leaves
+out (it reads only vllm:* names): here they are read from the front-end
+process's Prometheus registry, where vLLM's stat loggers feed the connector's
+KvdirPromMetrics. Counters appear as NAME{labels}, histograms as NAME_sum and
 NAME_count. Everything else is the test driver's protocol, unchanged.
 """
 
@@ -12,17 +15,23 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
 
 from tests.vllm.engine_driver import _engine, _generate, _metrics
 
 
-def _histograms(llm: Any) -> dict[str, float]:
+def _kvdir_series() -> dict[str, float]:
+    from prometheus_client import REGISTRY
+
     out: dict[str, float] = {}
-    for m in llm.get_metrics():
-        if hasattr(m, "sum") and hasattr(m, "count"):
-            out[f"{m.name}_sum"] = out.get(f"{m.name}_sum", 0.0) + float(m.sum)
-            out[f"{m.name}_count"] = out.get(f"{m.name}_count", 0.0) + float(m.count)
+    for family in REGISTRY.collect():
+        if not family.name.startswith("kvdir:"):
+            continue
+        for s in family.samples:
+            if s.name.endswith(("_created", "_bucket")):
+                continue
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "engine")
+            key = f"{s.name}{{{labels}}}" if labels and s.name.endswith("_total") else s.name
+            out[key] = out.get(key, 0.0) + float(s.value)
     return out
 
 
@@ -41,7 +50,7 @@ def main() -> int:
             if op == "generate":
                 ans = _generate(llm, req, "")
             elif op == "metrics":
-                ans = {"metrics": {**_metrics(llm), **_histograms(llm)}}
+                ans = {"metrics": {**_metrics(llm), **_kvdir_series()}}
             else:
                 ans = {"error": f"unknown op {op!r}"}
         except Exception as e:  # report to the bench instead of dying mid-run
