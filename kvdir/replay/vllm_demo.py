@@ -135,7 +135,7 @@ def _wait_held(c: Cluster, tokens: list[int], node: str) -> None:
     wait_for(held, HELD_WAIT_S, f"{node} to hold {len(chain)} blocks", 0.1)
 
 
-def _swap_agents(c: Cluster, transports: str) -> None:
+def _swap_agents(c: Cluster, transports: str, probe: bool = True) -> None:
     """Stop the scenario's agents; start new ones (same sockets) and wait until each
     server's connector saves into its new agent (the directory lists it)."""
     for a in c.agents.values():
@@ -153,6 +153,11 @@ def _swap_agents(c: Cluster, transports: str) -> None:
             lease_ms=15_000,
         )
         c.agents[name].launch(timeout_s=60)
+    if probe:
+        _probe(c, transports)
+
+
+def _probe(c: Cluster, transports: str) -> None:
     deadline = time.monotonic() + HELD_WAIT_S
     for i, (name, s) in enumerate(c.servers.items()):
         probe = [{"role": "user", "content": words(9000 + i, 80) + f" {transports} {time.time()}"}]
@@ -319,6 +324,7 @@ def demo(
         for n in names:
             (base / n).mkdir(exist_ok=True)
         log(f"starting {servers} vllm serve CPU servers (minutes on a busy host)")
+        _swap_agents(c, "tcp", probe=False)  # agents first: the connectors attach at start
         start_all(list(srv.values()))
         results: list[tuple[str, str, list[Turn], dict[str, float]]] = []
         for letter, name, transports, policy in SCENARIOS:
@@ -341,6 +347,7 @@ def demo(
 SERVERS_MIN, SERVERS_MAX = 2, 4
 DEMO_CONVERSATIONS = 3
 DEMO_TURNS = 4
+CONVERSATIONS_MAX = 20
 
 
 def run(args: Any) -> int:
@@ -360,7 +367,10 @@ def run(args: Any) -> int:
         return 2
     started = dt.datetime.now(dt.UTC)
     head = report.header(started)
-    conversations = min(args.conversations, DEMO_CONVERSATIONS * 4)
+    conversations = args.conversations or DEMO_CONVERSATIONS
+    if not 1 <= conversations <= CONVERSATIONS_MAX:
+        print(f"kvdir demo: --conversations must be 1..{CONVERSATIONS_MAX} with --engine vllm")
+        return 2
     try:
         with tempfile.TemporaryDirectory(prefix="kvdir-demo-vllm-") as tmp:
             rows, turns = demo(
