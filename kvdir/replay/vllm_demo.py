@@ -57,6 +57,7 @@ REQUEST_TIMEOUT_S = 300.0
 HELD_WAIT_S = 60.0
 AGENT_RETRY_S = 0.5
 """The connector's back-off after its agent went away: short, since scenarios swap agents."""
+PROBES_MAX = 5
 TTFT = "vllm:time_to_first_token_seconds_sum"
 
 
@@ -158,10 +159,12 @@ def _swap_agents(c: Cluster, transports: str, probe: bool = True) -> None:
 
 
 def _probe(c: Cluster, transports: str) -> None:
+    """A fresh prompt per try (a repeated one would be a local hit, never saved again)."""
     deadline = time.monotonic() + HELD_WAIT_S
     for i, (name, s) in enumerate(c.servers.items()):
-        probe = [{"role": "user", "content": words(9000 + i, 80) + f" {transports} {time.time()}"}]
-        while True:
+        for attempt in range(PROBES_MAX):
+            text = f"probe {transports} {attempt} " + words(9000 + 100 * i + attempt, 80)
+            probe = [{"role": "user", "content": text}]
             post_chat(s.url, c.model.name, probe)
             try:
                 _wait_held(c, _tokens(c, probe), name)
@@ -169,6 +172,8 @@ def _probe(c: Cluster, transports: str) -> None:
             except ClusterError:
                 if time.monotonic() > deadline:
                     raise DemoError(f"server {name} never saved into its new agent") from None
+        else:
+            raise DemoError(f"server {name} never saved into its new agent")
 
 
 def _ttft(c: Cluster) -> dict[str, float]:
