@@ -8,8 +8,10 @@ import subprocess
 from dataclasses import dataclass
 
 from bench.vllm.model import BLOCK_TOKENS
-from tests.vllm.engines import REPO, Engine, vllm_python
+from tests.vllm.engines import REPO, Engine, EngineError, vllm_python
 
+START_TIMEOUT_S = 1500.0
+"""Four engines starting at once on a loaded 2-core host took over 8 minutes here."""
 KV_CACHE_GIB = 2
 """VLLM_CPU_KVCACHE_SPACE per engine: an 8k prompt of the default shape is 64 MiB."""
 
@@ -18,6 +20,11 @@ KV_CACHE_GIB = 2
 class BenchEngine(Engine):
     model_name: str = ""
     max_model_len: int = 0
+
+    def wait_ready(self) -> None:
+        ready = self._read(START_TIMEOUT_S)
+        if not ready.get("ready"):
+            raise EngineError(f"engine {self.name} did not start: {ready}")
 
     def launch(self) -> None:
         cfg = {
