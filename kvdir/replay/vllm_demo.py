@@ -39,6 +39,8 @@ from kvdir.replay.vllm_serve import (
     Server,
     gateway_toml,
     prom_value,
+    served_by,
+    served_counts,
     start_all,
     words,
 )
@@ -86,10 +88,8 @@ class Cluster:
     agents: dict[str, LocalAgent] = field(default_factory=dict)
 
 
-def post_chat(
-    url: str, model: str, messages: list[dict[str, str]], **extra: Any
-) -> tuple[str, dict[str, Any]]:
-    """One non-streamed chat completion; (the X-Kvdir-Route node or "", the JSON body)."""
+def post_chat(url: str, model: str, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
+    """One non-streamed chat completion's JSON body."""
     host, _, port = url.removeprefix("http://").partition(":")
     body = {
         "model": model,
@@ -106,13 +106,11 @@ def post_chat(
         )
         resp = conn.getresponse()
         data = resp.read()
-        route = resp.getheader("X-Kvdir-Route") or ""
     finally:
         conn.close()
     if resp.status != 200:
         raise DemoError(f"{url}: chat completion answered {resp.status}: {data[:300]!r}")
-    node = route.split(";")[0].partition("=")[2]
-    return node, dict(json.loads(data))
+    return dict(json.loads(data))
 
 
 def _tokens(c: Cluster, messages: list[dict[str, str]]) -> list[int]:
@@ -225,8 +223,9 @@ def run_scenario(
                 messages.append(
                     {"role": "user", "content": words(seed * 100 + conv * 10 + t, USER_WORDS)}
                 )
-                ttft0 = _ttft(c)
-                node, body = post_chat(gw.url, c.model.name, messages)
+                ttft0, counts = _ttft(c), served_counts(c.servers)
+                body = post_chat(gw.url, c.model.name, messages)
+                node = served_by(c.servers, counts)
                 ttft = _ttft(c)[node] - ttft0[node]
                 answer = str(body["choices"][0]["message"]["content"])
                 out.append(
@@ -254,7 +253,7 @@ def check(c: Cluster, turns: list[Turn]) -> int:
     first = next(iter(c.servers.values()))
     wrong = 0
     for i, t in enumerate(turns):
-        _, body = post_chat(first.url, c.model.name, t.messages, cache_salt=f"check-{i}")
+        body = post_chat(first.url, c.model.name, t.messages, cache_salt=f"check-{i}")
         if body["choices"][0]["message"]["content"] != t.answer:
             wrong += 1
     return wrong

@@ -300,6 +300,30 @@ class Server:
         self.proc.stop()
 
 
+SERVED = "vllm:request_success_total"
+ROUTE_WAIT_S = 10.0
+
+
+def served_counts(servers: dict[str, Server]) -> dict[str, float]:
+    return {n: prom_value(s.metrics(), SERVED) for n, s in servers.items()}
+
+
+def served_by(servers: dict[str, Server], before: dict[str, float]) -> str:
+    """Which server answered the one request sent since `before` (the gateway's route
+    header goes to the backend, not back to the client)."""
+    got: list[str] = []
+
+    def grew() -> bool:
+        now = served_counts(servers)
+        got[:] = [n for n in servers if now[n] > before[n]]
+        return bool(got)
+
+    wait_for(grew, ROUTE_WAIT_S, "a server to count the request", 0.05)
+    if len(got) != 1:
+        raise ServeError(f"one request, answered by {got}")
+    return got[0]
+
+
 def start_all(servers: list[Server], timeout_s: float = START_TIMEOUT_S) -> None:
     """Launch every server at once (they start in parallel), then wait for each."""
     try:
