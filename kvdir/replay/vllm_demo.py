@@ -253,7 +253,7 @@ def check(c: Cluster, turns: list[Turn]) -> int:
     first = next(iter(c.servers.values()))
     wrong = 0
     for i, t in enumerate(turns):
-        body = post_chat(first.url, c.model.name, t.messages, cache_salt=f"check-{i}")
+        body = post_chat(first.url, c.model.name, t.messages, cache_salt=f"check-{t.scenario}-{i}")
         if body["choices"][0]["message"]["content"] != t.answer:
             wrong += 1
     return wrong
