@@ -21,7 +21,7 @@ import pytest
 
 from kvdir.core.client import namespace
 from kvdir.core.hashing import vllm_block_digests
-from kvdir.local import LocalAgent, LocalCluster, free_ports, wait_for
+from kvdir.local import ClusterError, LocalAgent, LocalCluster, free_ports, wait_for
 from kvdir.replay.vllm_serve import (
     BLOCK_TOKENS,
     CHAT_TEMPLATE,
@@ -60,6 +60,31 @@ class Stack:
     gateway: Gateway
 
 
+AGENT_TRIES = 3
+
+
+def _agent(cluster: LocalCluster, base: Path, name: str, model: ChatModel) -> LocalAgent:
+    """A started agent; a port taken between picking and binding (a busy shared host) is
+    tried again with new ports."""
+    for attempt in range(AGENT_TRIES):
+        agent = LocalAgent(
+            name,
+            str(base),
+            cluster.grpc_addresses,
+            model.pool_spec(POOL_SLOTS),
+            "tcp,shm",
+            lease_ms=15_000,
+        )
+        try:
+            agent.launch(timeout_s=60)
+            return agent
+        except ClusterError:
+            agent.stop()
+            if attempt == AGENT_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.fixture(scope="module")
 def stack(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     base = tmp_path_factory.mktemp("openai")
@@ -70,15 +95,7 @@ def stack(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> It
     gw: Gateway | None = None
     try:
         for name in ("a", "b"):
-            agent = LocalAgent(
-                name,
-                str(base),
-                cluster.grpc_addresses,
-                model.pool_spec(POOL_SLOTS),
-                "tcp,shm",
-                lease_ms=15_000,
-            )
-            agent.launch(timeout_s=60)
+            agent = _agent(cluster, base, name, model)
             agents.append(agent)
             servers[name] = Server(name, model, model_dir, base, agent.engine_socket)
         start_all(list(servers.values()))
