@@ -76,6 +76,8 @@ def bare_fetch(socket: str, ns: pb.Namespace, chain: list[bytes]) -> dict[str, A
 def _kvdir_counters(m: dict[str, float]) -> dict[str, float]:
     out = {"load_s": m.get("kvdir:load_seconds_sum", 0.0), "loads": 0.0}
     out["loads"] = m.get("kvdir:load_seconds_count", 0.0)
+    for name in ("lookups", "lookup_timeouts", "agent_unavailable", "recomputed_blocks"):
+        out[name] = sum(v for k, v in m.items() if k.startswith(f"kvdir:{name}_total"))
     for k, v in m.items():
         if k.startswith("kvdir:loaded_bytes_total{"):
             src = k.split("source=", 1)[1].split(",")[0].rstrip("}")
@@ -90,7 +92,14 @@ def pulled(engine: BenchEngine, tokens: list[int]) -> dict[str, Any]:
     after = _kvdir_counters(engine.metrics())
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     by_source = {k[6:]: v for k, v in delta.items() if k.startswith("bytes_") and v}
-    return {**got, "load_s": delta["load_s"], "loads": delta["loads"], "loaded_bytes": by_source}
+    counts = ("lookups", "lookup_timeouts", "agent_unavailable", "recomputed_blocks")
+    return {
+        **got,
+        "load_s": delta["load_s"],
+        "loads": delta["loads"],
+        "loaded_bytes": by_source,
+        "connector": {k: delta[k] for k in counts},
+    }
 
 
 def _agrees(got: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
