@@ -236,6 +236,11 @@ def row(
     }
 
 
+def _brief(t: Turn) -> dict[str, Any]:
+    d = {k: v for k, v in t.__dict__.items() if k != "messages"}
+    return {**d, "turn": len(t.messages) // 2}
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     head = [
         "Scenario",
@@ -364,7 +369,8 @@ def run(args: Any) -> int:
                 "",
             ]
         )
-        data = {**head, "rows": rows, "turns": [t.__dict__ for t in turns]}
+        # The messages themselves are generated words; the turn number stands for them.
+        data = {**head, "rows": rows, "turns": [_brief(t) for t in turns]}
         report.write(Path(args.out), f"demo-vllm-{started:%Y-%m-%d}", md, data)
     wrong = sum(r["wrong_answers"] for r in rows)
     pulled = all(r["pulled_tokens"] > 0 for r in rows if r["scenario"] in ("B", "C"))
