@@ -39,6 +39,9 @@ def add_parsers(sub: Any) -> None:
     from bench import gateway
 
     gateway.add_parser(kinds)
+    from bench import vllm
+
+    vllm.add_parser(kinds)
 
 
 __all__ = ["add_parsers", "argparse"]

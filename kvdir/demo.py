@@ -46,9 +46,21 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--nodes", type=int, default=DEMO_NODES)
-    p.add_argument("--conversations", type=int, default=DEMO_CONVERSATIONS)
+    p.add_argument(
+        "--conversations",
+        type=int,
+        default=None,
+        help=f"default {DEMO_CONVERSATIONS} (with --engine vllm: 3 per scenario)",
+    )
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--engine",
+        choices=("sim", "vllm"),
+        default="sim",
+        help="vllm: real vLLM CPU servers behind kvdir gateway (kvdir/replay/vllm_demo.py)",
+    )
+    p.add_argument("--out", default="", help="--engine vllm: also write Markdown + JSON here")
     p.set_defaults(func=run)
 
 
@@ -57,8 +69,12 @@ def step(msg: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.engine == "vllm":
+        from kvdir.replay import vllm_demo
+
+        return vllm_demo.run(args)
     s = Settings(**{**vars(DEMO), "nodes": args.nodes, "seed": args.seed})
-    s.synth_conversations = args.conversations
+    s.synth_conversations = args.conversations or DEMO_CONVERSATIONS
     s.progress = not args.no_progress
     step(
         f"replaying {s.synth_conversations} synthetic conversations on {s.nodes} nodes: "
