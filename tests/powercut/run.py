@@ -4,8 +4,8 @@ Host side of the power-cut test (the guest side is `guest.py`, the VM `vm.py`).
 One run: fresh disks, then boot after boot of the *same* disks. Every boot
 but the first begins with the guest's checks of everything acknowledged so
 far; every boot but the last ends with `Machine.cut()` at a random moment:
-mostly while the writer runs (uniform in `[0, write_window_s]` after it
-starts), sometimes (`early_cut_p`) while the replicas are still starting up
+mostly while the writer runs (uniform in `[1, write_window_s]` s after it
+starts; emulated, the writer manages tens of writes a second), sometimes (`early_cut_p`) while the replicas are still starting up
 and reading their journals. The host keeps the acknowledged set: lines
 ``A <seq>`` from the acknowledgement port, complete lines only.
 
@@ -170,7 +170,7 @@ def run(
     work: Path,
     scenario: str = "vm",
     serve_args: list[str] | None = None,
-    write_window_s: float = 4.0,
+    write_window_s: float = 45.0,
     early_cut_p: float = 0.15,
     early_cut_window_s: float = 60.0,
     boot_timeout_s: float = BOOT_TIMEOUT_S,
@@ -228,7 +228,7 @@ def run(
             acked |= set(acks(m))
             continue
         wrote_at = wait_line(m, "C WRITING", boot_timeout_s)
-        delay = rng.uniform(0.0, write_window_s)
+        delay = rng.uniform(1.0, write_window_s)
         while time.monotonic() < wrote_at + delay and m.alive():
             time.sleep(POLL_S)
         m.cut()
@@ -298,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--boot-timeout-s", type=float, default=BOOT_TIMEOUT_S)
     ap.add_argument("--kvm", action="store_true", help="run the guest under KVM")
     ap.add_argument("--early-cut-p", type=float, default=0.15)
+    ap.add_argument("--write-window-s", type=float, default=45.0)
     args = ap.parse_args(argv)
     import tempfile
 
@@ -305,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         res = run(args.cuts, args.seed, work, args.scenario, args.serve_arg,
                   boot_timeout_s=args.boot_timeout_s, kvm=args.kvm,
-                  early_cut_p=args.early_cut_p)  # fmt: skip
+                  early_cut_p=args.early_cut_p, write_window_s=args.write_window_s)  # fmt: skip
     except (VmError, PowerCutError) as e:
         print(f"[powercut] {e}", file=sys.stderr)
         return 2
