@@ -5,8 +5,9 @@ One run: fresh disks, then boot after boot of the *same* disks. Every boot
 but the first begins with the guest's checks of everything acknowledged so
 far; every boot but the last ends with `Machine.cut()` at a random moment:
 mostly while the writer runs (uniform in `[1, write_window_s]` s after it
-starts; emulated, the writer manages tens of writes a second), sometimes (`early_cut_p`) while the replicas are still starting up
-and reading their journals. The host keeps the acknowledged set: lines
+starts; emulated, the writer manages tens of writes a second), sometimes
+(`early_cut_p`) while the replicas are still starting up and reading their
+journals. The host keeps the acknowledged set: lines
 ``A <seq>`` from the acknowledgement port, complete lines only.
 
 Verdicts per checked boot:
