@@ -14,6 +14,10 @@ Ordering contracts:
 - An answer that claims nothing (a rejection, a transmission step) is sent
   in order: whatever is held goes first (`hold` releases before it returns
   False), so the leader never sees an older success after a newer answer.
+- A held answer must still be true when it is sent: when the log's tail is
+  cut (a new leader's conflicting entries), held answers are dropped
+  (`discard`), never sent - an answer may always be lost, and the leader
+  simply sends again.
 
 Runs on the Raft thread only (pysyncobj's transport is not thread-safe).
 """
@@ -60,6 +64,11 @@ class AckGate:
         for node, reply in held:
             self._send(node, reply)
         return batch
+
+    def discard(self) -> int:
+        """Drop every held answer (the entries they cover are being cut). Returns how many."""
+        n, self._held = len(self._held), []
+        return n
 
     @property
     def holding(self) -> int:

@@ -7,7 +7,8 @@ kvdir's journal stages the entry and makes it durable in batches. So:
 
 - a follower's success answer to an AppendEntries is held (`AckGate`) and
   released after the next `sync()`, at the start of the next Raft tick: one
-  fdatasync for every append the last poll delivered (group commit);
+  fdatasync for every append the last poll delivered (group commit); answers
+  held when a conflicting tail is cut are dropped, not sent;
 - the leader counts itself toward a commit in the tick's commit step: its own
   entries - proposals drained from the queue in a tick, the no-op of a new
   term - are synced at the end of that drain and right after it becomes
@@ -106,6 +107,10 @@ class DurableSyncObj(SyncObj):  # type: ignore[misc]
         reply: Reply = {"reset": reset, "nextNodeIdx": nextNodeIdx, "success": success}
         if not self._kvdir_acks.hold(node, reply):
             super()._SyncObj__sendNextNodeIdx(node, **reply)
+
+    def _SyncObj__deleteEntriesFrom(self, fromIDx: int) -> None:  # noqa: N802, N803
+        self._kvdir_acks.discard()  # they may cover entries this cut removes
+        super()._SyncObj__deleteEntriesFrom(fromIDx)
 
     def _send_held_answer(self, node: Any, reply: Reply) -> None:
         SyncObj._SyncObj__sendNextNodeIdx(self, node, **reply)

@@ -154,6 +154,20 @@ def test_a_rejection_goes_out_after_what_was_held(tmp_path: Path) -> None:
     assert not gate.hold("leader", {"nextNodeIdx": 2, "success": True})
 
 
+def test_answers_held_when_the_tail_is_cut_are_dropped(tmp_path: Path) -> None:
+    j = glue.open_journal(str(tmp_path))
+    sent: list[dict[str, object]] = []
+    gate = AckGate(j, lambda node, reply: sent.append(reply))
+    j.add(b"a", 1, 1)
+    j.add(b"b", 2, 1)
+    assert gate.hold("old-leader", {"nextNodeIdx": 3, "success": True})
+    assert gate.discard() == 1
+    j.deleteEntriesFrom(1)  # a new leader's entry 2 conflicts
+    j.add(b"c", 2, 2)
+    gate.release()
+    assert sent == []  # "I hold entry 2 of term 1" was never sent
+
+
 def test_a_failed_write_reaches_the_failure_hook_before_the_error(tmp_path: Path) -> None:
     seen: list[BaseException] = []
     j = glue.open_journal(str(tmp_path))
