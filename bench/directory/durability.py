@@ -71,7 +71,7 @@ def _requests(first: int, rpcs: int, batch: int, incarnation: int) -> list[bytes
                 namespace=NAMESPACE,
                 tier=pb.TIER_GPU,
                 block_hashes=writer_hashes(seq, batch),
-                addresses=[(seq * batch + k) * 65536 for k in range(batch)],
+                addresses=[(i * batch + k) * 65536 for k in range(batch)],
                 lengths=[65536] * batch,
                 rkeys=[7] * batch,
                 generations=[1] * batch,

@@ -58,8 +58,8 @@ class AckGate:
         return False
 
     def release(self) -> int:
-        """Sync the journal, then send every held answer in order. Returns the batch size."""
-        batch = self._journal.sync() if self._journal.unsynced else 0
+        """If answers are held: sync the journal, then send them in order. Returns the batch."""
+        batch = self._journal.sync() if self._held and self._journal.unsynced else 0
         held, self._held = self._held, []
         for node, reply in held:
             self._send(node, reply)

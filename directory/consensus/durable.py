@@ -9,11 +9,14 @@ kvdir's journal stages the entry and makes it durable in batches. So:
   released after the next `sync()`, at the start of the next Raft tick: one
   fdatasync for every append the last poll delivered (group commit); answers
   held when a conflicting tail is cut are dropped, not sent;
-- the leader counts itself toward a commit in the tick's commit step: its own
-  entries - proposals drained from the queue in a tick, the no-op of a new
-  term - are synced at the end of that drain and right after it becomes
-  leader, before any later commit step (appends to followers go out first, so
-  the leader's fdatasync overlaps theirs);
+- the leader counts itself toward a commit in the tick's commit step, so its
+  own entries - proposals drained from the queue in a tick, the no-op of a
+  new term - must be durable before a commit index covers them: they are
+  synced at the end of the drain and when it becomes leader (the appends to
+  the followers go out first, so the leader's fdatasync overlaps theirs), and
+  as a barrier every commit index pysyncobj sets on a leader waits until its
+  journal is durable that far (`setRaftCommitIndex` is called before anything
+  is applied or sent);
 - term and vote are synced inside `setCurrentTerm` (votes.py), before pysyncobj
   sends anything reflecting them;
 - a snapshot received from the leader is written by pysyncobj without fsync:
@@ -44,6 +47,7 @@ from kvdir.directory.consensus.sync import Durability, fsync_dir
 
 log = logging.getLogger("kvdir.directory.journal")
 
+_LEADER = 2  # pysyncobj's _RAFT_STATE.LEADER
 EXIT_JOURNAL_FAILED = 74
 """EX_IOERR: the exit status of a replica whose journal could not be written."""
 
@@ -79,6 +83,7 @@ class DurableSyncObj(SyncObj):  # type: ignore[misc]
         """Open (or migrate) the journal of `data_dir`; returns the SyncObjConf journalFile."""
         journal = open_journal(data_dir, durability)
         journal.on_failure = stop_on_journal_failure
+        journal.commit_waits_for_sync = lambda: self._SyncObj__raftState == _LEADER
         path = os.path.join(data_dir, LOG_FILE)
         register(path, journal)
         self.kvdir_journal = journal
@@ -91,7 +96,8 @@ class DurableSyncObj(SyncObj):  # type: ignore[misc]
 
     def _checkCommandsToApply(self) -> None:  # noqa: N802
         super()._checkCommandsToApply()
-        self._kvdir_acks.release()  # the leader's own new entries, before its next commit count
+        self._kvdir_acks.release()
+        self.kvdir_journal.sync()  # the leader's new entries, before its next commit count
 
     def _SyncObj__onBecomeLeader(self) -> None:  # noqa: N802
         super()._SyncObj__onBecomeLeader()

@@ -5,7 +5,8 @@ Ordering contracts:
   write and (in `Durability.POWER_LOSS`) fdatasyncs once for the whole batch.
   An entry may be acknowledged - a follower's append reply, the leader's own
   vote in the commit count - only after a `sync` that returned after it was
-  appended (group commit: one fsync serves every entry staged since the last).
+  appended, or a `wait_durable` of its index (group commit: one fdatasync
+  serves every entry staged since the last).
 - Structural changes are durable before they return, in every mode:
   `truncate_from` (a Raft conflict) cuts the file and syncs before any later
   record can land after the cut; `drop_before` and `clear` (compaction, a
@@ -204,6 +205,16 @@ class LogFile:
         if batch and self.durability is Durability.POWER_LOSS:
             self._fdatasync()
         return batch
+
+    def wait_durable(self, index: int) -> None:
+        """Return once the entry at Raft `index` (and all before it) is as durable as promised."""
+        if not self.entries or index < self.entries[0][1]:
+            return
+        pos = min(index - self.entries[0][1], len(self.entries) - 1)
+        end = self._offsets[pos + 1] if pos + 1 < len(self._offsets) else self._end
+        durable = self._synced_to if self.durability is Durability.POWER_LOSS else self._written
+        if end > durable:
+            self.sync()
 
     def sync_every_second(self) -> None:
         """The once-a-second durability of PROCESS_CRASH mode (POWER_LOSS is already synced)."""

@@ -71,6 +71,9 @@ class KvdirJournal:
         self.log = log_file
         self.terms = terms
         self.on_failure = on_failure
+        self.commit_waits_for_sync: Callable[[], bool] = lambda: False
+        """True while this replica leads: its own copy counts toward a commit, so a
+        commit index it sets must not pass what its journal has made durable."""
         self._timers = 0
         self._logged_syncs = 0
 
@@ -112,6 +115,10 @@ class KvdirJournal:
         return self.terms.voted_for
 
     def setRaftCommitIndex(self, raftCommitIndex: int) -> None:
+        """pysyncobj calls this right after its leader advanced the commit index, before
+        anything is applied or told to followers: the leader's commit barrier."""
+        if self.commit_waits_for_sync():
+            self._io(lambda: self.log.wait_durable(raftCommitIndex))
         self.terms.set_commit(raftCommitIndex)
 
     def getRaftCommitIndex(self) -> int:
@@ -169,9 +176,8 @@ def open_journal(
     log_path = os.path.join(data_dir, LOG_FILE)
     if not os.path.exists(log_path) and os.path.exists(os.path.join(data_dir, LEGACY_LOG_FILE)):
         _migrate(data_dir, syncer)
-    return KvdirJournal(
-        LogFile(log_path, durability, syncer), TermStore(os.path.join(data_dir, TERM_FILE), syncer)
-    )
+    log_file = LogFile(log_path, durability, syncer)
+    return KvdirJournal(log_file, TermStore(os.path.join(data_dir, TERM_FILE), syncer))
 
 
 def legacy_state(data_dir: str) -> tuple[list[Entry], dict[str, Any]]:

@@ -225,6 +225,19 @@ def test_out_of_order_appends_are_a_programming_error(tmp_path: Path) -> None:
         j.append(cmd(9), 9, 1)
 
 
+def test_wait_durable_syncs_only_when_the_entry_is_not_yet_durable(tmp_path: Path) -> None:
+    c = Counting()
+    j = LogFile(str(tmp_path / "log"), syncer=c.syncer())
+    for i in range(1, 6):
+        j.append(cmd(i), i, 1)
+    base = c.files
+    j.wait_durable(3)  # the leader's commit barrier: one fdatasync covers all five
+    assert c.files == base + 1 and not j.unsynced
+    j.wait_durable(5)
+    j.wait_durable(0)  # below the log: in a snapshot already
+    assert c.files == base + 1
+
+
 # ---------------------------------------------------------------- term file
 
 

@@ -168,6 +168,17 @@ def test_answers_held_when_the_tail_is_cut_are_dropped(tmp_path: Path) -> None:
     assert sent == []  # "I hold entry 2 of term 1" was never sent
 
 
+def test_a_leader_commit_index_waits_for_its_own_journal(tmp_path: Path) -> None:
+    j = glue.open_journal(str(tmp_path))
+    j.add(b"a", 1, 1)
+    j.add(b"b", 2, 1)
+    j.setRaftCommitIndex(2)  # a follower: the leader decided, nothing to wait for
+    assert j.unsynced
+    j.commit_waits_for_sync = lambda: True  # now it leads
+    j.setRaftCommitIndex(2)
+    assert not j.unsynced and j.getRaftCommitIndex() == 2
+
+
 def test_a_failed_write_reaches_the_failure_hook_before_the_error(tmp_path: Path) -> None:
     seen: list[BaseException] = []
     j = glue.open_journal(str(tmp_path))
