@@ -58,8 +58,8 @@ SEQ_BOOT_STRIDE = 10_000_000
 """Writes of boot b are numbered b * stride + ...: unique across boots without state."""
 SEQ_WRITER_STRIDE = 1_000_000
 LOOKUP_CHAINS = 256
-START_TIMEOUT_S = 600.0
-CONVERGE_TIMEOUT_S = 600.0
+START_TIMEOUT_S = 1800.0
+CONVERGE_TIMEOUT_S = 1800.0
 WRITE_TIMEOUT_S = 30.0
 BLOCK_BYTES = 4096
 
@@ -297,6 +297,7 @@ def write_report(out: Path, boot: int, report: dict[str, Any]) -> None:
 
 
 def check(c: LocalCluster, acked: list[int], timed: Callable[[str], None]) -> dict[str, Any]:
+    timed("launching")
     c.start(timeout_s=START_TIMEOUT_S)
     timed("leader")
     agreed = converge(c, 0)
