@@ -291,6 +291,27 @@ SECTION = Section(
 )
 
 
+def markdown(data: dict[str, Any]) -> str:
+    """This phase's own report (`main`): the machine header, its targets, its section."""
+    from bench.markdown import Raw, render
+    from kvdir import report
+
+    ctx = {
+        **context(data["results"]),
+        "h": data["header"],
+        "header_md": report.header_markdown(data["header"]),
+        "targets_md": report.targets_table([tg.from_dict(t) for t in data["targets"]]),
+    }
+    sections = (
+        Section("header_md", None, (Raw("header_md"),)),
+        Section("targets_md", "Targets", (Raw("targets_md"),)),
+        SECTION,
+    )
+    return render(
+        "# kvdir directory benchmark, durability phase, {h[started_utc]:.10}", sections, ctx
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     """This phase alone: `python -m bench.directory.durability [kvdir bench directory flags]`."""
     import argparse
@@ -298,7 +319,6 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     from bench.directory.config import add_arguments, resolve
-    from bench.markdown import Raw, render
     from bench.workers import WorkerPool
     from kvdir import report
 
@@ -314,21 +334,15 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             b.close()
     data: dict[str, Any] = {"header": report.header(started), "results": b.results}
-    found = tg.check_all(GOALS, b.results)
-    data["targets"] = [t.as_dict() for t in found]
-    ctx = {**context(b.results), "targets_md": report.targets_table(found)}
-    md = render(
-        "# kvdir directory benchmark, durability phase, " + f"{started:%Y-%m-%d}",
-        (Section("targets_md", "Targets", (Raw("targets_md"),)), SECTION),
-        ctx,
-    )
+    data["targets"] = [t.as_dict() for t in tg.check_all(GOALS, b.results)]
+    md = markdown(data)
     paths = report.write(cfg.out_dir, f"directory-durability-{started:%Y-%m-%d}", md, data)
     print(md)
     say(f"wrote {paths[0]} and {paths[1]}")
     return 0
 
 
-__all__ = ["GOALS", "SECTION", "context", "main", "run", "summary", "sync_stats"]
+__all__ = ["GOALS", "SECTION", "context", "main", "markdown", "run", "summary", "sync_stats"]
 
 
 if __name__ == "__main__":
