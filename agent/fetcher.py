@@ -320,20 +320,33 @@ class _Sources:
         )  # fmt: skip
 
 
+def record_slot(
+    info: apb.PoolInfo, address: int, length: int, slot_bytes: int, gpu: bool = False
+) -> int:
+    """The holder's slot a directory record names, or -1 if it is not one whole slot.
+
+    A record is what some agent published; before reading `length` bytes into
+    one of our slots, check that it is exactly one slot of the pool the holder
+    describes and of ours (every block of a namespace is one slot): not 0
+    bytes, not a part or more than a slot, not an address off the slot grid or
+    outside the pool.
+    """
+    if length != slot_bytes or length != info.slot_bytes:
+        return -1
+    base = info.gpu_address if gpu else info.data_address
+    return slot_of(base, info.slot_bytes, info.slots, address)
+
+
 def _sources(info: apb.PoolInfo, match: pb.NodeMatch, n: int, slot_bytes: int) -> _Sources:
-    """The first `n` blocks of `match` as reads; the prefix stops at the first block
-    that does not fit our slots or names no slot of the holder's pool."""
+    """The first `n` blocks of `match` as reads; the prefix stops at the first record
+    that is not exactly one whole slot of the holder's pool and of ours."""
     rec = records(match)
     gpu = bool(rec.tiers) and rec.tiers[0] == pb.TIER_GPU and info.gpu_rkey != 0
     out = _Sources(gpu, [], [], [], [], [], [], info.rkey)
     for i in range(min(n, len(rec.addresses))):
         addr, length = rec.addresses[i], rec.lengths[i]
-        if gpu:
-            slot = slot_of(info.gpu_address, info.slot_bytes, info.slots, addr)
-        else:
-            off = addr - info.data_address
-            slot = off // info.slot_bytes if info.slot_bytes and off >= 0 else -1
-        if length > slot_bytes or slot < 0 or slot >= info.slots:
+        slot = record_slot(info, addr, length, slot_bytes, gpu)
+        if slot < 0:
             break
         out.addresses.append(addr)
         out.rkeys.append(rec.rkeys[i])

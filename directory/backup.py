@@ -41,6 +41,7 @@ from kvdir.directory.consensus.membership import (
     write_cluster_id,
 )
 from kvdir.directory.consensus.port import LogError
+from kvdir.directory.consensus.sync import replace_durably
 from kvdir.directory.table import Table
 
 MAGIC = b"KVDBACK\x00"
@@ -132,14 +133,14 @@ def encode(header: Header, body: bytes) -> Iterator[bytes]:
 
 
 def write_backup(path: str, header: Header, body: bytes) -> None:
-    """Write atomically (a temp file, fsync, rename)."""
+    """Write atomically (a temp file, fsync, rename, fsync of the directory)."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
         for chunk in encode(header, body):
             f.write(chunk)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_durably(tmp, path)
 
 
 def _read_exact(f: BinaryIO, n: int, what: str) -> bytes:
@@ -289,7 +290,7 @@ def recover_state(data_dir: str) -> Recovered:
     except LogError as e:
         raise BackupError(str(e)) from e
     if not entries and not os.path.exists(snap):
-        raise BackupError(f"{data_dir} holds no snapshot.bin and no journal.bin")
+        raise BackupError(f"{data_dir} holds no snapshot.bin and no journal")
     replayed = 0
     for entry in entries:
         if entry.index <= index:

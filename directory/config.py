@@ -41,6 +41,7 @@ from typing import Any
 
 from kvdir.core.config import ConfigError, read_toml, section, security_sections
 from kvdir.core.security import AuthConfig, TlsConfig
+from kvdir.directory.consensus.sync import Durability
 from kvdir.directory.consensus.tuning import RaftTuning
 from kvdir.directory.limits import (
     BATCH_ENTRIES_CEILING,
@@ -86,6 +87,11 @@ class DirectoryConfig:
     raft_bind_address: str = ""
     """Where the Raft port listens ("" = raft_address: the cluster network only).
     The Raft library's own default is every interface."""
+    durability: str = Durability.POWER_LOSS.value
+    """What an acknowledged write survives (docs/directory.md, "Durability
+    contract"): "power-loss" (fsync before acknowledging) or the weaker
+    "process-crash" (a kernel crash or power loss of a majority may lose about
+    the last second of acknowledged writes)."""
 
     def grpc_of_raft(self) -> dict[str, str]:
         """Raft address -> gRPC address for every member (for leader hints)."""
@@ -169,6 +175,10 @@ def _check(cfg: DirectoryConfig) -> None:
         raise ConfigError("[watch] the history may not hold more than one watcher's buffer")
     if cfg.cluster_id and not _CLUSTER_ID_RE.match(cfg.cluster_id):
         raise ConfigError("cluster_id must be 1-64 of [A-Za-z0-9_.-]")
+    try:
+        Durability.parse(cfg.durability)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     if cfg.log_format not in ("json", "text"):
         raise ConfigError("log_format must be 'json' or 'text'")
     if cfg.grpc_workers <= 0 or cfg.lease_sweep_ms <= 0 or cfg.lease_default_ms <= 0:

@@ -28,6 +28,7 @@ from kvdir.directory.consensus.membership import (
     resolve_cluster_id,
 )
 from kvdir.directory.consensus.port import Consensus, Role
+from kvdir.directory.consensus.sync import Durability
 from kvdir.directory.consensus.syncobj import RaftConsensus
 from kvdir.directory.metrics import DirectoryMetrics
 from kvdir.directory.server import (
@@ -104,6 +105,7 @@ class DirectoryDaemon:
                 join=cfg.join,
                 password=password,
                 bind_address=cfg.raft_bind_address or cfg.raft_address,
+                durability=Durability.parse(cfg.durability),
             )
         except OSError as e:
             raise StartError(f"cannot open data dir {cfg.data_dir}: {e}") from e

@@ -47,6 +47,15 @@ COMMAND_HEAD_BYTES_MAX = 64 + 3 * NAMESPACE_FIELD_BYTES_MAX + NODE_ID_BYTES_MAX
 assert BATCH_ENTRIES_CEILING * PUBLISH_ENTRY_BYTES_MAX + COMMAND_HEAD_BYTES_MAX <= COMMAND_BYTES_MAX
 assert COMMAND_BYTES_MAX <= GRPC_MESSAGE_BYTES_MAX
 
+JOURNAL_RECORD_BYTES_MAX = 2 * COMMAND_BYTES_MAX
+"""A journal record's payload: one pysyncobj log entry (our command plus its
+framing, or a membership change). A length field above this is damage."""
+assert JOURNAL_RECORD_BYTES_MAX > COMMAND_BYTES_MAX + 64 * 1024
+
+RAFT_VOTE_ID_BYTES_MAX = 400
+"""A voted-for node id (pysyncobj's "host:port" Raft address) as stored in the
+term file: a DNS name is at most 253 bytes, so any Raft address fits."""
+
 
 @dataclass(frozen=True, slots=True)
 class RequestLimits:

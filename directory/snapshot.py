@@ -21,7 +21,6 @@ in the header, so a truncated file is detected rather than half-loaded.
 from __future__ import annotations
 
 import json
-import os
 import struct
 import sys
 from array import array
@@ -29,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from kvdir.directory.consensus.sync import REAL, Syncer, replace_durably
 from kvdir.directory.table import NIL, NodeState, Table
 
 MAGIC = b"KVDSNAP\x00"
@@ -102,14 +102,25 @@ def _key_chunks(keys: list[bytes | None]) -> Iterator[tuple[bytes, bytes]]:
         yield bytes(len(k) for k in chunk), b"".join(chunk)
 
 
-def write(image: Image, path: str, raft: dict[str, Any], entries: list[RaftEntry]) -> None:
-    """Write `image` (plus the Raft adapter's metadata) atomically to `path`."""
+def write(
+    image: Image,
+    path: str,
+    raft: dict[str, Any],
+    entries: list[RaftEntry],
+    syncer: Syncer = REAL,
+) -> None:
+    """Write `image` (plus the Raft adapter's metadata) atomically and durably to `path`.
+
+    A temp file, fsync, rename, fsync of the directory: a power cut at any
+    point leaves the previous snapshot or the whole new one. Returns only
+    when the new one is durable, so the log entries it covers may be dropped.
+    """
     tmp = path + ".kvdir-tmp"
     with open(tmp, "wb") as f:
         write_to(f, image, raft, entries)
         f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+        syncer.file(f.fileno())
+    replace_durably(tmp, path, syncer)
 
 
 def write_to(f: BinaryIO, image: Image, raft: dict[str, Any], entries: list[RaftEntry]) -> None:

@@ -89,6 +89,25 @@ def _column(values: Sequence[int], n: int, name: str, maximum: int) -> list[int]
     return out
 
 
+def _lengths(values: Sequence[int], n: int) -> list[int]:
+    """Block lengths: one per block, each at least a byte (a block of 0 bytes is no block).
+
+    The directory does not know a namespace's block size (the agents do, and
+    check every record against their pool's slot size before reading), but
+    every block of one namespace is the same size: a Publish whose lengths
+    differ names at least one length that cannot be a block of its namespace.
+    """
+    out = _column(values, n, "lengths", _U32_MAX)
+    if n and min(out) == 0:
+        raise BadRequest("bad-length", "a block length is 0 (a block has at least one byte)")
+    if n and min(out) != max(out):
+        raise BadRequest(
+            "bad-length",
+            f"block lengths differ within one namespace ({min(out)} and {max(out)} bytes)",
+        )
+    return out
+
+
 def publish(req: pb.PublishRequest, limits: RequestLimits) -> Publish:
     ns = namespace_key(req.namespace)
     hs = hashes(req.block_hashes, req.block_ids, limits.batch_entries_max, "publish")
@@ -102,7 +121,7 @@ def publish(req: pb.PublishRequest, limits: RequestLimits) -> Publish:
         tier(req.tier),
         hs,
         _column(req.addresses, n, "addresses", _U64_MAX),
-        _column(req.lengths, n, "lengths", _U32_MAX),
+        _lengths(req.lengths, n),
         _column(req.rkeys, n, "rkeys", _U32_MAX),
         _column(req.generations, n, "generations", _U64_MAX),
     )

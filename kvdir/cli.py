@@ -56,6 +56,7 @@ def _serve_config(args: argparse.Namespace) -> DirectoryConfig:
         "enable_echo": True if args.enable_echo else None,
         "cluster_id": args.cluster_id,
         "join": True if args.join else None,
+        "durability": args.durability,
     }
     peers = [parse_peer(p) for p in args.peer]
     tune = _tuning(args.tune)
@@ -101,6 +102,8 @@ def _tuning(specs: list[str], cls: Any = None, flag: str = "--tune") -> dict[str
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from kvdir.core import logs
+    from kvdir.directory.consensus.journal import JournalCorrupt
+    from kvdir.directory.consensus.votes import TermFileCorrupt
     from kvdir.directory.daemon import DirectoryDaemon, StartError
 
     cfg = _serve_config(args)
@@ -108,7 +111,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     daemon = DirectoryDaemon(cfg)
     try:
         daemon.start()
-    except StartError as e:
+    except (StartError, JournalCorrupt, TermFileCorrupt) as e:
         raise CliError(str(e)) from e
     _until_signal()
     daemon.stop()
@@ -610,6 +613,12 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
         "--join",
         action="store_true",
         help="first start of a replica being added: never campaign before a leader is heard",
+    )
+    s.add_argument(
+        "--durability",
+        choices=["power-loss", "process-crash"],
+        help="power-loss (default): fsync the Raft log before acknowledging; process-crash: "
+        "faster, but a power loss of a majority can lose ~1 s of acknowledged writes",
     )
     s.add_argument("--log-format", choices=["json", "text"])
     s.add_argument("--log-level", default="INFO")

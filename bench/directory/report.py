@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 from bench import targets as tg
+from bench.directory import durability
 from bench.markdown import Code, Pairs, Raw, Section, Table, Text, render, text_and_table
 from kvdir import report
 
@@ -99,6 +100,7 @@ GOALS = (
         200,
         "B",
     ),
+    *durability.GOALS,
 )
 
 DATA_SHAPE = (
@@ -303,6 +305,7 @@ SECTIONS = (
         ("phase", "wall s", "machine CPU busy", "foreign CPU", "1-min load avg start / end"),
         ("{phase}", "{wall_s}", "{machine_cpu_busy}", "{foreign_cpu_share}", "{loads}"),
     ),
+    durability.SECTION,
     Section("settings", "Settings", (Code("settings"),)),
     Section("error", "Error", (Code("error"),)),
 )
@@ -410,6 +413,7 @@ def _sections(r: dict[str, Any]) -> dict[str, Any]:
         ctx.update(v=v, replica_entries=str({k: x["entries"] for k, x in v["replicas"].items()}))
     ctx.update(_memory(r.get("memory", {})))
     ctx["phase_rows"] = [_phase_row(p) for p in r.get("phases") or []]
+    ctx.update(durability.context(r))
     return ctx
 
 

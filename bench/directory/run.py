@@ -16,6 +16,7 @@ from typing import Any
 from bench.directory import (
     batch,
     compaction,
+    durability,
     failover,
     logs,
     lookups,
@@ -48,6 +49,7 @@ PHASES: tuple[Phase, ...] = (
     Phase("leader kills", failover.run),
     Phase("compaction", compaction.run),
     Phase("verification", verify.run),
+    Phase("durability", durability.run),
 )
 """The phases against the cluster, in order; each writes its own key of `Bench.results`.
 A later phase may use what an earlier one left on `Bench` (the query chains, the

@@ -12,8 +12,21 @@
 - `membership`: Raft addresses, the cluster id and the data dir lock;
   `tuning`: Raft timing (`[raft]` in the config).
 
-pysyncobj is imported by `_replica`, `transport`, `syncobj` and
-`pysyncobj_log` only, never outside this package.
+The log's storage is kvdir's own; pysyncobj keeps only the protocol:
+
+- `sync`: how bytes reach stable storage (the injected fsync policy) and the
+  durability modes.
+- `records`: the journal's record format and the scan that tells a torn tail
+  from corruption (pure: bytes in, entries out).
+- `journal`: the append-only log file (group commit, torn tail cut on open).
+- `votes`: current term and vote (and the commit index), durable before use.
+- `acks`: a follower's append answers, held until what they cover is durable.
+- `pysyncobj_journal`: pysyncobj's journal interface over `journal` and
+  `votes` (its `createJournal` hook, migration of pysyncobj's own files);
+  `durable`: the SyncObj subclass that acknowledges only what is durable.
+
+pysyncobj is imported by `_replica`, `transport`, `syncobj`, `pysyncobj_log`,
+`pysyncobj_journal` and `durable` only, never outside this package.
 """
 
 from kvdir.directory.consensus.port import (

@@ -22,15 +22,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from pysyncobj import SyncObj, SyncObjConf, replicated
+from pysyncobj import SyncObjConf, replicated
 from pysyncobj.config import SERIALIZER_STATE
 from pysyncobj.monotonic import monotonic as raft_clock  # pysyncobj's own clock
 from pysyncobj.node import TCPNode
 
 from kvdir.directory import codec, snapshot
 from kvdir.directory.commands import Command, Result
+from kvdir.directory.consensus.durable import DurableSyncObj
 from kvdir.directory.consensus.fixes import RaftEntry, rejection_hint, trim_append_entries
-from kvdir.directory.consensus.pysyncobj_log import DUMP_FILE, JOURNAL_FILE
+from kvdir.directory.consensus.pysyncobj_log import DUMP_FILE
+from kvdir.directory.consensus.sync import Durability
 from kvdir.directory.consensus.transport import FencedTransport
 from kvdir.directory.consensus.tuning import RaftTuning
 from kvdir.directory.table import Table
@@ -63,6 +65,7 @@ def make_conf(
     on_state_changed: Callable[[int, int], None] | None,
     password: str | None,
     bind_address: str,
+    durability: Durability,
 ) -> SyncObjConf:
     """Every pysyncobj setting, in one place (the journal and serializer hooks included)."""
     return SyncObjConf(
@@ -76,7 +79,7 @@ def make_conf(
         dnsCacheTime=tuning.dns_cache_s,
         dnsFailCacheTime=min(tuning.dns_cache_s, 30.0),
         leaderFallbackTimeout=tuning.leader_fallback_s,
-        journalFile=os.path.join(data_dir, JOURNAL_FILE),
+        journalFile=replica.open_durable_journal(data_dir, durability),
         fullDumpFile=replica.dump_path,
         serializer=replica._serialize,
         deserializer=replica._deserialize,
@@ -92,8 +95,8 @@ def make_conf(
     )
 
 
-class Replica(SyncObj):  # type: ignore[misc]
-    """One directory replica: the table, replicated by pysyncobj."""
+class Replica(DurableSyncObj):
+    """One directory replica: the table, replicated by pysyncobj, logged by kvdir's journal."""
 
     def __init__(
         self,
@@ -106,6 +109,7 @@ class Replica(SyncObj):  # type: ignore[misc]
         join: bool,
         password: str | None,
         bind_address: str,
+        durability: Durability = Durability.POWER_LOSS,
     ) -> None:
         self.kvdir_cluster_id = cluster_id  # read by FencedTransport
         os.makedirs(data_dir, exist_ok=True)
@@ -121,7 +125,9 @@ class Replica(SyncObj):  # type: ignore[misc]
         self.last_compaction_s = 0.0
         self.compactions = 0
         self.dump_path = os.path.join(data_dir, DUMP_FILE)
-        conf = make_conf(self, tuning, data_dir, on_state_changed, password, bind_address)
+        conf = make_conf(
+            self, tuning, data_dir, on_state_changed, password, bind_address, durability
+        )
         self._keepalive_s = tuning.keepalive_s
         self._leader_loss_spread_s = tuning.election_max_s - tuning.election_min_s
         self._election_s = (tuning.election_min_s, tuning.election_max_s)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import os
 import re
 
+from kvdir.directory.consensus.sync import replace_durably
+
 CLUSTER_ID_FILE = "cluster-id"
 _CLUSTER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _HOST_RE = re.compile(r"^[A-Za-z0-9_.-]{1,253}$|^\[[0-9A-Fa-f:.]{2,45}\]$")
@@ -66,7 +68,7 @@ def write_cluster_id(data_dir: str, cluster_id: str) -> None:
         f.write(cluster_id + "\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    replace_durably(tmp, path)  # a restored replica must not come back unfenced
 
 
 def resolve_cluster_id(data_dir: str, configured: str) -> str:

@@ -1,4 +1,4 @@
-"""pysyncobj's files in a data dir, read offline: the journal, and the anchors of a snapshot.
+"""A data dir's Raft files, read offline: the journal, and the anchors of a snapshot.
 
 What `directory.backup` needs from the Raft side of a stopped replica,
 without knowing how pysyncobj lays out its entries:
@@ -8,6 +8,10 @@ without knowing how pysyncobj lays out its entries:
 - `anchors(index, term)`: the (last, previous) log entries a snapshot written
   for a fresh data dir carries, so that pysyncobj resumes its log at `index`.
 - `DATA_FILES`: the files that mean "this data dir already holds Raft data".
+
+The journal is kvdir's own (`journal.LOG_FILE`, term file `votes.TERM_FILE`);
+a data dir not yet started by a version with it still holds pysyncobj's
+(``journal.bin`` and its ``.meta``), read here the same way.
 """
 
 from __future__ import annotations
@@ -23,14 +27,16 @@ from typing import Any
 
 from kvdir.directory import codec, snapshot
 from kvdir.directory.commands import Command
+from kvdir.directory.consensus.journal import LOG_FILE, JournalCorrupt, read_only
 from kvdir.directory.consensus.port import LogError
+from kvdir.directory.consensus.votes import TERM_FILE, read_commit_index
 
 NO_OP = b"\x01"  # pysyncobj's _COMMAND_TYPE.NO_OP entry
 _REGULAR = 0  # pysyncobj's _COMMAND_TYPE.REGULAR
 JOURNAL_FILE = "journal.bin"
 DUMP_FILE = "snapshot.bin"
 META_SUFFIX = ".meta"
-DATA_FILES = (DUMP_FILE, JOURNAL_FILE, JOURNAL_FILE + META_SUFFIX)
+DATA_FILES = (DUMP_FILE, LOG_FILE, TERM_FILE, JOURNAL_FILE, JOURNAL_FILE + META_SUFFIX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +89,17 @@ def read_log(data_dir: str) -> tuple[list[LogEntry], int]:
 
 
 def _journal_entries(data_dir: str) -> tuple[list[tuple[bytes, int, int]], int]:
+    path = os.path.join(data_dir, LOG_FILE)
+    if not os.path.exists(path):
+        return _legacy_journal_entries(data_dir)
+    try:
+        entries = read_only(path)
+    except JournalCorrupt as e:
+        raise LogError(str(e)) from e
+    return entries, read_commit_index(os.path.join(data_dir, TERM_FILE))
+
+
+def _legacy_journal_entries(data_dir: str) -> tuple[list[tuple[bytes, int, int]], int]:
     from pysyncobj.journal import createJournal
 
     src = os.path.join(data_dir, JOURNAL_FILE)

@@ -39,6 +39,7 @@ from kvdir.directory.consensus.port import (
     Status,
     WriteResult,
 )
+from kvdir.directory.consensus.sync import Durability
 from kvdir.directory.consensus.tuning import RaftTuning
 from kvdir.directory.table import Table
 
@@ -93,11 +94,14 @@ class RaftConsensus(Consensus):
         join: bool = False,
         password: str | None = None,
         bind_address: str | None = None,
+        durability: Durability = Durability.POWER_LOSS,
     ) -> None:
         """`password` encrypts and authenticates every Raft message (pysyncobj's
         Fernet, which needs `cryptography`); `bind_address` keeps the Raft port
-        on the cluster network (pysyncobj's default binds every interface).
-        Raises OSError when the data dir cannot be used."""
+        on the cluster network (pysyncobj's default binds every interface);
+        `durability`: what an acknowledged write survives (`durable`).
+        Raises OSError when the data dir cannot be used, JournalCorrupt or
+        TermFileCorrupt when its Raft files are damaged."""
 
         def state_changed(old: int, new: int) -> None:
             if on_role_changed is not None:
@@ -117,6 +121,7 @@ class RaftConsensus(Consensus):
             join,
             password,
             bind_address or self_address,
+            durability,
         )
 
     # ------------------------------------------------------------- lifecycle

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pysyncobj import pickle as pysyncobj_pickle
@@ -24,6 +25,7 @@ from kvdir.directory.consensus.membership import (
     split_hello,
 )
 from kvdir.directory.consensus.port import LogError
+from kvdir.directory.consensus.pysyncobj_journal import LOG_FILE, open_journal
 from kvdir.directory.table import Table
 from tests.unit.helpers import chain, must_publish, must_register, publish_cmd, view
 
@@ -105,7 +107,15 @@ def _regular(cmd: object) -> bytes:
     return b"\x00" + envelope
 
 
-def test_recover_replays_snapshot_then_the_whole_journal(tmp_path: Path) -> None:
+def _journal_of(kind: str, data: Path) -> tuple[Any, Path]:
+    """A journal to fill as pysyncobj would, and the file it writes."""
+    if kind == "pysyncobj":  # a data dir written before kvdir kept its own journal
+        return createJournal(str(data / "journal.bin")), data / "journal.bin"
+    return open_journal(str(data)), data / LOG_FILE
+
+
+@pytest.mark.parametrize("kind", ["kvdir", "pysyncobj"])
+def test_recover_replays_snapshot_then_the_whole_journal(tmp_path: Path, kind: str) -> None:
     data = tmp_path / "data"
     data.mkdir()
     expected = sample_table(10)
@@ -114,7 +124,7 @@ def test_recover_replays_snapshot_then_the_whole_journal(tmp_path: Path) -> None
             (b"\x01", 5, 2), (b"\x01", 4, 2)
         ]
     )  # fmt: skip
-    journal = createJournal(str(data / "journal.bin"))
+    journal, journal_file = _journal_of(kind, data)
     journal.add(b"\x01", 4, 2)
     journal.add(b"\x01", 5, 2)  # the snapshot's anchors: skipped
     more = publish_cmd("n1", chain(5, start=10))
@@ -137,7 +147,7 @@ def test_recover_replays_snapshot_then_the_whole_journal(tmp_path: Path) -> None
     out = str(tmp_path / "rec.kvdb")
     header, _ = backup.recover(str(data), MEMBERS[:1], out, "r1")
     assert (header.kind, header.index, header.term, header.entries) == ("recovery", 9, 3, 20)
-    assert os.path.exists(data / "journal.bin")  # recover itself changes nothing in place
+    assert journal_file.exists()  # recover itself changes nothing in place
 
 
 def test_recover_refuses_foreign_journal_entries(tmp_path: Path) -> None:
@@ -150,7 +160,7 @@ def test_recover_refuses_foreign_journal_entries(tmp_path: Path) -> None:
     with pytest.raises(backup.BackupError, match="not a kvdir command"):
         backup.recover_state(str(tmp_path))
     (tmp_path / "journal.bin").unlink()
-    with pytest.raises(backup.BackupError, match=r"no snapshot\.bin and no journal\.bin"):
+    with pytest.raises(backup.BackupError, match=r"no snapshot\.bin and no journal"):
         backup.recover_state(str(tmp_path))
 
 

@@ -1,0 +1,131 @@
+"""A pysyncobj SyncObj that acknowledges only what its journal has made durable.
+
+Raft's promise - an acknowledged write survives - holds only if every replica
+counted toward a commit had the entry on stable storage when it was counted.
+pysyncobj assumes its journal write is durable the moment `add` returns;
+kvdir's journal stages the entry and makes it durable in batches. So:
+
+- a follower's success answer to an AppendEntries is held (`AckGate`) and
+  released after the next `sync()`, at the start of the next Raft tick: one
+  fdatasync for every append the last poll delivered (group commit); answers
+  held when a conflicting tail is cut are dropped, not sent;
+- the leader counts itself toward a commit in the tick's commit step, so its
+  own entries - proposals drained from the queue in a tick, the no-op of a
+  new term - must be durable before a commit index covers them: they are
+  synced at the end of the drain and when it becomes leader (the appends to
+  the followers go out first, so the leader's fdatasync overlaps theirs), and
+  as a barrier every commit index pysyncobj sets on a leader waits until its
+  journal is durable that far (`setRaftCommitIndex` is called before anything
+  is applied or sent);
+- term and vote are synced inside `setCurrentTerm` (votes.py), before pysyncobj
+  sends anything reflecting them;
+- a snapshot received from the leader is written by pysyncobj without fsync:
+  it is synced (file and directory) before it is loaded and the log cleared.
+
+A failed write or sync ends the process (`stop_on_journal_failure`):
+pysyncobj's tick loop would log the error and go on with a term or log it
+had changed in memory only. A restart recovers from what is on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+from pysyncobj import SyncObj
+
+from kvdir.directory.consensus.acks import AckGate, Reply
+from kvdir.directory.consensus.pysyncobj_journal import (
+    LOG_FILE,
+    KvdirJournal,
+    open_journal,
+    register,
+)
+from kvdir.directory.consensus.sync import Durability, fsync_dir
+
+log = logging.getLogger("kvdir.directory.journal")
+
+_LEADER = 2  # pysyncobj's _RAFT_STATE.LEADER
+EXIT_JOURNAL_FAILED = 74
+"""EX_IOERR: the exit status of a replica whose journal could not be written."""
+
+
+def stop_on_journal_failure(error: BaseException) -> None:
+    log.critical(
+        "journal write failed: stopping this replica (a restart recovers from what is on disk)",
+        extra={"error": str(error)},
+    )
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_JOURNAL_FAILED)
+
+
+def sync_file(path: str) -> None:
+    """fsync an existing file and its directory (a file another library wrote and renamed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+class DurableSyncObj(SyncObj):  # type: ignore[misc]
+    """SyncObj with kvdir's journal: call `open_durable_journal` before `SyncObj.__init__`."""
+
+    kvdir_journal: KvdirJournal
+    _kvdir_acks: AckGate
+
+    def open_durable_journal(self, data_dir: str, durability: Durability) -> str:
+        """Open (or migrate) the journal of `data_dir`; returns the SyncObjConf journalFile."""
+        journal = open_journal(data_dir, durability)
+        journal.on_failure = stop_on_journal_failure
+        journal.commit_waits_for_sync = lambda: self._SyncObj__raftState == _LEADER
+        path = os.path.join(data_dir, LOG_FILE)
+        register(path, journal)
+        self.kvdir_journal = journal
+        self._kvdir_acks = AckGate(journal, self._send_held_answer)
+        return path
+
+    def _onTick(self, timeToWait: float = 0.0) -> None:  # noqa: N802, N803 (pysyncobj's names)
+        self._kvdir_acks.release()  # what the last poll appended, then the answers it earned
+        super()._onTick(timeToWait)
+
+    def _checkCommandsToApply(self) -> None:  # noqa: N802
+        super()._checkCommandsToApply()
+        self._kvdir_acks.release()
+        self.kvdir_journal.sync()  # the leader's new entries, before its next commit count
+
+    def _SyncObj__onBecomeLeader(self) -> None:  # noqa: N802
+        super()._SyncObj__onBecomeLeader()
+        self.kvdir_journal.sync()  # the new term's no-op (a lone member commits it this tick)
+
+    def _SyncObj__sendNextNodeIdx(  # noqa: N802
+        self,
+        node: Any,
+        reset: bool = False,
+        nextNodeIdx: int | None = None,  # noqa: N803
+        success: bool = False,
+    ) -> None:
+        reply: Reply = {"reset": reset, "nextNodeIdx": nextNodeIdx, "success": success}
+        if not self._kvdir_acks.hold(node, reply):
+            super()._SyncObj__sendNextNodeIdx(node, **reply)
+
+    def _SyncObj__deleteEntriesFrom(self, fromIDx: int) -> None:  # noqa: N802, N803
+        self._kvdir_acks.discard()  # they may cover entries this cut removes
+        super()._SyncObj__deleteEntriesFrom(fromIDx)
+
+    def _send_held_answer(self, node: Any, reply: Reply) -> None:
+        SyncObj._SyncObj__sendNextNodeIdx(self, node, **reply)
+
+    def _SyncObj__loadDumpFile(self, clearJournal: bool) -> None:  # noqa: N802, N803
+        dump = self._SyncObj__conf.fullDumpFile
+        if dump and os.path.isfile(dump):
+            sync_file(dump)  # before the log it replaces is cleared
+        super()._SyncObj__loadDumpFile(clearJournal)
+
+
+__all__ = ["EXIT_JOURNAL_FAILED", "DurableSyncObj", "stop_on_journal_failure", "sync_file"]
