@@ -89,21 +89,27 @@ def _column(values: Sequence[int], n: int, name: str, maximum: int) -> list[int]
     return out
 
 
-def _lengths(values: Sequence[int], n: int) -> list[int]:
+def _lengths(
+    values: Sequence[int], n: int, addresses: Sequence[int], rkeys: Sequence[int]
+) -> list[int]:
     """Block lengths: one per block, each at least a byte (a block of 0 bytes is no block).
 
-    The directory does not know a namespace's block size (the agents do, and
-    check every record against their pool's slot size before reading), but
-    every block of one namespace is the same size: a Publish whose lengths
-    differ names at least one length that cannot be a block of its namespace.
+    The one exception is an index-only record, address, length and rkey all 0:
+    the agent publishes stock engines' caches so (docs/events.md), for routing,
+    with no bytes anyone can read. The directory does not know a namespace's
+    block size (the agents do, and check every record against their pool's slot
+    size before reading), but every block of one namespace is the same size: a
+    Publish whose readable lengths differ names at least one length that cannot
+    be a block of its namespace.
     """
     out = _column(values, n, "lengths", _U32_MAX)
-    if n and min(out) == 0:
+    readable = [ln for ln, a, r in zip(out, addresses, rkeys, strict=True) if ln or a or r]
+    if readable and min(readable) == 0:
         raise BadRequest("bad-length", "a block length is 0 (a block has at least one byte)")
-    if n and min(out) != max(out):
+    if readable and min(readable) != max(readable):
+        low, high = min(readable), max(readable)
         raise BadRequest(
-            "bad-length",
-            f"block lengths differ within one namespace ({min(out)} and {max(out)} bytes)",
+            "bad-length", f"block lengths differ within one namespace ({low} and {high} bytes)"
         )
     return out
 
@@ -114,15 +120,17 @@ def publish(req: pb.PublishRequest, limits: RequestLimits) -> Publish:
     n = len(hs)
     if n == 0:
         raise BadRequest("bad-batch", "publish has no blocks")
+    addresses = _column(req.addresses, n, "addresses", _U64_MAX)
+    rkeys = _column(req.rkeys, n, "rkeys", _U32_MAX)
     return Publish(
         node_id(req.node_id),
         req.incarnation,
         ns,
         tier(req.tier),
         hs,
-        _column(req.addresses, n, "addresses", _U64_MAX),
-        _lengths(req.lengths, n),
-        _column(req.rkeys, n, "rkeys", _U32_MAX),
+        addresses,
+        _lengths(req.lengths, n, addresses, rkeys),
+        rkeys,
         _column(req.generations, n, "generations", _U64_MAX),
     )
 

@@ -67,3 +67,13 @@ def test_a_reader_trusts_only_records_that_are_one_whole_slot(
 
 def test_a_reader_refuses_a_holder_whose_slots_differ_from_its_own() -> None:
     assert record_slot(POOL, (1 << 20) + 4096, 4096, 8192) == -1
+
+
+def test_publish_takes_index_only_records() -> None:
+    """Stock engines' caches are published for routing with address, length and
+    rkey all 0 (agent/events/holders.py): no bytes to read, so no length to check."""
+    req = _request([0, 0, 0])
+    req.addresses[:] = [0, 0, 0]
+    req.rkeys[:] = [0, 0, 0]
+    cmd = publish(req, RequestLimits())
+    assert list(cmd.lengths) == [0, 0, 0]
