@@ -42,6 +42,9 @@ from kvdir.v1 import directory_pb2 as pb
 MODES = ("power-loss", "process-crash")
 ORDER = (0, 1, 1, 0, 1, 0, 0, 1)
 """Mode of each cluster run (A B B A B A A B): drift in the machine's load hits both alike."""
+QUICK_ORDER = (0, 1)
+"""--quick: one cluster per mode, a tenth of the RPCs, no kills (a smoke run)."""
+QUICK_SHARE = 10
 NODE = "bench-durability"
 SMALL_BATCH = 16
 SMALL_RPCS = 3000
@@ -137,18 +140,20 @@ def sync_stats(c: LocalCluster) -> dict[str, Any]:
 def _one_run(b: Bench, run: int, mode: str, kills: bool) -> dict[str, Any]:
     c = _cluster(b, run, mode)
     rec: dict[str, Any] = {"run": run, "mode": mode}
+    share = QUICK_SHARE if b.cfg.quick else 1
+    small, bulk, serial = SMALL_RPCS // share, BULK_RPCS // share, SERIAL_RPCS // share
     try:
         c.start(timeout_s=60)
         incarnation = time.time_ns()
         _register(c, incarnation)
         first = (run + 1) * SEQ_STRIDE
-        rec["small"] = _publish(b, c, _requests(first, SMALL_RPCS, SMALL_BATCH, incarnation),
+        rec["small"] = _publish(b, c, _requests(first, small, SMALL_BATCH, incarnation),
                                 SMALL_INFLIGHT)  # fmt: skip
-        first += SMALL_RPCS
-        rec["bulk"] = _publish(b, c, _requests(first, BULK_RPCS, BULK_BATCH, incarnation),
+        first += small
+        rec["bulk"] = _publish(b, c, _requests(first, bulk, BULK_BATCH, incarnation),
                                BULK_INFLIGHT)  # fmt: skip
-        first += BULK_RPCS
-        rec["serial"] = _publish(b, c, _requests(first, SERIAL_RPCS, SMALL_BATCH, incarnation), 1)
+        first += bulk
+        rec["serial"] = _publish(b, c, _requests(first, serial, SMALL_BATCH, incarnation), 1)
         if kills:
             rec["failover"] = _kills(b, c, incarnation)
         say(
@@ -179,8 +184,8 @@ def _median(runs: list[dict[str, Any]], mode: str, workload: str) -> float:
     return statistics.median(xs) if xs else math.nan
 
 
-def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {"runs": runs, "order": [MODES[i] for i in ORDER]}
+def summary(runs: list[dict[str, Any]], order: tuple[int, ...] = ORDER) -> dict[str, Any]:
+    out: dict[str, Any] = {"runs": runs, "order": [MODES[i] for i in order]}
     for workload in ("small", "bulk", "serial"):
         durable, fast = _median(runs, MODES[0], workload), _median(runs, MODES[1], workload)
         out[workload] = {
@@ -197,11 +202,13 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def run(b: Bench) -> None:
     runs = []
     seen: set[str] = set()
-    for run_no, i in enumerate(ORDER):
+    order = QUICK_ORDER if b.cfg.quick else ORDER
+    for run_no, i in enumerate(order):
         mode = MODES[i]
-        runs.append(_one_run(b, run_no, mode, kills=mode not in seen and b.cfg.kills > 0))
+        kills = mode not in seen and b.cfg.kills > 0 and not b.cfg.quick
+        runs.append(_one_run(b, run_no, mode, kills))
         seen.add(mode)
-    b.results["durability"] = summary(runs)
+    b.results["durability"] = summary(runs, order)
 
 
 # ------------------------------------------------------------------ report

@@ -38,6 +38,7 @@ REQUIRED: dict[str, list[tuple[str, ...]]] = {
     "compaction": [("capture_s",), ("total_s",), ("entries",)],
     "verification": [("lost_entries",), ("acknowledged_entries",)],
     "memory": [("table", "bytes_per_entry"), ("table", "entries")],
+    "durability": [("small", "ratio"), ("bulk", "ratio"), ("serial", "ratio")],
 }
 
 
@@ -51,7 +52,7 @@ def _get(d: dict[str, Any], path: tuple[str, ...]) -> Any:
 
 @pytest.mark.integration
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 def test_quick_bench_writes_every_section(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
@@ -67,7 +68,7 @@ def test_quick_bench_writes_every_section(tmp_path: Path) -> None:
         cwd=REPO,
         capture_output=True,
         text=True,
-        timeout=280,
+        timeout=400,
         check=False,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]

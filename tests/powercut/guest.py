@@ -57,7 +57,9 @@ WRITERS = 4
 SEQ_BOOT_STRIDE = 10_000_000
 """Writes of boot b are numbered b * stride + ...: unique across boots without state."""
 SEQ_WRITER_STRIDE = 1_000_000
-LOOKUP_CHAINS = 256
+LOOKUP_CHAINS = 64
+LOOKUP_TIMEOUT_S = 120.0
+"""One LookupBatch under emulation (a 256-chain batch once took over 10 s)."""
 START_TIMEOUT_S = 1800.0
 CONVERGE_TIMEOUT_S = 1800.0
 WRITE_TIMEOUT_S = 30.0
@@ -191,7 +193,7 @@ def converge(c: LocalCluster, need: int) -> dict[str, Any]:
 def present_online(c: LocalCluster, seqs: list[int]) -> dict[str, list[int]]:
     """Acknowledged writes each replica's table lacks (local reads, after `converge`)."""
     missing: dict[str, list[int]] = {}
-    with DirectoryClient(c.grpc_addresses, timeout_s=10.0) as client:
+    with DirectoryClient(c.grpc_addresses, timeout_s=LOOKUP_TIMEOUT_S) as client:
         for r in c.replicas:
             lacking: list[int] = []
             for i in range(0, len(seqs), LOOKUP_CHAINS):

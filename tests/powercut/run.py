@@ -90,6 +90,7 @@ class RunResult:
     seed: int
     kvm: bool
     serve_args: list[str]
+    commit: str
     cuts: list[Cut] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
     acked_total: int = 0
@@ -195,13 +196,13 @@ def run(
 ) -> RunResult:
     """`cuts` power cuts on one set of disks, each followed by a checking boot."""
     rng = random.Random(seed)
+    source, commit = vm.source_snapshot(work / "src")  # first: before anything can change
     image = vm.build()
     if not kvm:
         serve_args = [f"--tune={t}" for t in EMULATION_TUNING] + list(serve_args or [])
     disks = vm.make_disks(work / "disks")
-    source = vm.source_snapshot(work / "src")
     out = work / "share"
-    res = RunResult(scenario, seed, kvm, list(serve_args or []))
+    res = RunResult(scenario, seed, kvm, list(serve_args or []), commit)
     acked: set[int] = set()
     t0 = time.monotonic()
     boots = cuts + 1 if scenario == "vm" else 2
@@ -269,7 +270,8 @@ def markdown(res: RunResult) -> str:
         "",
         f"- {len(res.cuts)} power cuts, {len(res.checks)} checked boots, {res.acked_total} "
         f"acknowledged writes in all, {res.seconds:.0f} s, {'KVM' if res.kvm else 'TCG'}",
-        f"- serve args: {' '.join(res.serve_args) or '(defaults)'}",
+        f"- commit {res.commit[:12]} (the guest ran `git archive` of it); serve args: "
+        f"{' '.join(res.serve_args) or '(defaults)'}",
         f"- verdict: **{'PASS' if res.ok else 'FAIL'}**",
         "",
         "| boot | cut | at s | acked this boot | acked so far | below majority | lost | agree "

@@ -152,34 +152,31 @@ class Machine:
         return text.split("\n")[:-1]  # the last piece is a partial line (or "")
 
 
-def source_snapshot(dest: Path) -> Path:
-    """A copy of the checkout (tracked and untracked, not ignored files), byte-compiled.
+def source_snapshot(dest: Path) -> tuple[Path, str]:
+    """The checkout's committed tree (`git archive HEAD`), byte-compiled; and its commit.
 
-    The guest runs this copy, not the live tree, so editing the checkout during
-    a long run cannot change what the replicas run mid-way; compiling here saves
-    the guest minutes of compiling under emulation.
+    The guest runs this copy, never the live tree: editing or rebasing the
+    checkout during a long run cannot change what the replicas run mid-way, and
+    the results name exactly what was tested. Compiling here saves the guest
+    minutes of compiling under emulation. Uncommitted changes are not in it.
     """
-    names = subprocess.run(
-        ["git", "ls-files", "-co", "--exclude-standard", "-z"],
-        cwd=vm.REPO_ROOT,
-        capture_output=True,
-        check=True,
-        timeout=60,
-    ).stdout.split(b"\0")
-    for raw in filter(None, names):
-        rel = raw.decode()
-        src, dst = vm.REPO_ROOT / rel, dest / rel
-        if not src.exists() and not src.is_symlink():
-            continue  # deleted in the work tree
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, dst, follow_symlinks=False)
+    commit = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=vm.REPO_ROOT, capture_output=True, text=True,
+        check=True, timeout=30,
+    ).stdout.strip()  # fmt: skip
+    dest.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", commit], cwd=vm.REPO_ROOT, capture_output=True,
+        check=True, timeout=120,
+    ).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True, timeout=120)
     subprocess.run(
         [sys.executable, "-m", "compileall", "-q", "-j", "0", str(dest)],
         check=False,
         timeout=600,
         capture_output=True,
     )
-    return dest
+    return dest, commit
 
 
 def job_script(command: str, source: Path) -> str:
