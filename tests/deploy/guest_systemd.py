@@ -187,11 +187,11 @@ def store_chain() -> list[bytes]:
 
 
 def scenario(run: Run) -> None:
-    import agent  # which kvdir this is: the wheel's, in the venv the units run
+    import kvdir.agent  # which kvdir this is: the wheel's, in the venv the units run
 
     run.step(
         "installed",
-        package=str(Path(agent.__file__).resolve().parent),
+        package=str(Path(kvdir.agent.__file__).resolve().parent),
         version=importlib.metadata.version("kvdir"),
     )
     directories = [unit(r) for r in REPLICAS]

@@ -42,6 +42,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from kvdir.directory.consensus.journal import LOG_FILE
 from tests.deploy.test_k8s import K8S_VERSION
 from tests.image import cluster, image, kube
 from tests.image import podman as pm
@@ -363,7 +364,7 @@ def test_kube_play_of_the_directory_manifest(
         ).stdout.split()  # fmt: skip
         assert out[0] == "10001" and "read-only" in out  # the securityContext, as played
         assert out[out.index("CapEff:") + 1] == "0000000000000000"
-        assert "journal.bin" in out  # the claim's volume holds the replica's data
+        assert LOG_FILE in out  # the claim's volume holds the replica's Raft log
         fqdn = kube.dns_name(kube.one(rendered, "StatefulSet"), 0, NAMESPACE)
         st = json.loads(
             podman("exec", container, "kvdir", "ctl", "status", "--json", "--addr",

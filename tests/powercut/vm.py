@@ -188,8 +188,15 @@ def job_script(command: str, source: Path) -> str:
 
 
 def _shares(source: Path) -> list[tuple[str, bool]]:
-    """The source snapshot and the host's Python, read-only (not the live checkout)."""
-    python = [p for p in vm.shares() if not Path(p[0]).resolve().is_relative_to(vm.REPO_ROOT)]
+    """The source snapshot and the host's Python, read-only (not the live checkout).
+
+    The environment is shared by its own path even when it lies inside the
+    checkout (CI's `.venv`): only the code must come from the snapshot.
+    """
+    python: list[tuple[str, bool]] = []
+    for p in (sys.base_prefix, sys.prefix):
+        if not any(Path(p).is_relative_to(q) for q, _ in python):
+            python.append((p, True))
     return [(str(source), True), *python]
 
 
