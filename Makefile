@@ -31,7 +31,7 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: proto-check lint typecheck
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=30
 
 unit: $(STAMP)
 	$(VENV)/bin/pytest -q tests/unit tests/sim
