@@ -57,6 +57,11 @@ WRITERS = 4
 SEQ_BOOT_STRIDE = 10_000_000
 """Writes of boot b are numbered b * stride + ...: unique across boots without state."""
 SEQ_WRITER_STRIDE = 1_000_000
+WRITING_AGAIN = "C WRITING AGAIN"
+"""Said when the second writer starts (tests/powercut/run.py waits for it)."""
+SEQ_PHASE_STRIDE = 5_000_000
+"""A boot's second writer (after a single-replica cut) numbers from here: WRITERS
+strides of the first writer stay below it."""
 LOOKUP_CHAINS = 64
 LOOKUP_TIMEOUT_S = 120.0
 """One LookupBatch under emulation (a 256-chain batch once took over 10 s)."""
@@ -226,8 +231,8 @@ def present_offline(seqs: list[int]) -> dict[str, Any]:
 class Writer:
     """WRITERS threads publishing one block each, reporting every OK on the port."""
 
-    def __init__(self, c: LocalCluster, port: Port, boot: int) -> None:
-        self.c, self.port, self.boot = c, port, boot
+    def __init__(self, c: LocalCluster, port: Port, boot: int, phase: int = 0) -> None:
+        self.c, self.port, self.boot, self.phase = c, port, boot, phase
         self.stop = threading.Event()
         self.acked: list[int] = []
         self.failed = 0
@@ -250,7 +255,7 @@ class Writer:
                     client.heartbeat(NODE, INCARNATION)
 
     def _run(self, w: int) -> None:
-        seq = self.boot * SEQ_BOOT_STRIDE + w * SEQ_WRITER_STRIDE
+        seq = self.boot * SEQ_BOOT_STRIDE + self.phase * SEQ_PHASE_STRIDE + w * SEQ_WRITER_STRIDE
         with DirectoryClient(self.c.grpc_addresses, timeout_s=WRITE_TIMEOUT_S) as client:
             while not self.stop.is_set():
                 seq += 1
@@ -314,6 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scenario", choices=("vm", "replica"), default="vm")
     ap.add_argument("--final", action="store_true", help="check only, then power off")
     ap.add_argument("--writes", type=int, default=500, help="replica scenario: acks per step")
+    ap.add_argument(
+        "--then-write",
+        action="store_true",
+        help="replica scenario: afterwards write again until the host pulls the power",
+    )
     ap.add_argument("--serve-arg", action="append", default=[])
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -347,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
         report["replica_cut"] = cut_one(c, writer, args.writes, timed)
         write_report(out, args.boot, report)
         port.say("C DONE")
+        if args.then_write:
+            Writer(c, port, args.boot, phase=1).start()
+            port.say(WRITING_AGAIN)
+            threading.Event().wait()  # until the host pulls the power
         return 0
     finally:
         c.stop()

@@ -21,6 +21,10 @@ Command line (root, qemu, mmdebstrap)::
 
     python -m tests.powercut.run --cuts 24 --seed 1 --results bench/results
     python -m tests.powercut.run --scenario replica
+    python -m tests.powercut.run --scenario both --cuts 2
+
+``both`` (what CI runs) begins with the single-replica cut on boot 0 and then
+writes again until the first full cut, so one set of boots shows both.
 
 The guest runs under TCG emulation unless `--kvm` (nested KVM does not run
 guests on every host: on some /dev/kvm opens and no vCPU ever runs). Under
@@ -42,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.powercut import vm
+from tests.powercut.guest import WRITING_AGAIN
 from tests.rdma.vm import OUT_MOUNT, VmError
 
 BOOT_TIMEOUT_S = 3600.0
@@ -173,9 +178,17 @@ def _cut_during_startup(m: vm.Machine, after_s: float, timeout_s: float) -> bool
 def guest_command(
     boot: int, scenario: str, final: bool, serve_args: list[str], source: Path
 ) -> str:
-    cmd = f"python -m tests.powercut.guest --out {OUT_MOUNT} --boot {boot} --scenario {scenario}"
+    guest_scenario = "replica" if scenario == "both" and boot == 0 else scenario
+    if final or (scenario == "both" and boot > 0):
+        guest_scenario = "vm"
+    cmd = (
+        f"python -m tests.powercut.guest --out {OUT_MOUNT} --boot {boot} "
+        f"--scenario {guest_scenario}"
+    )
     if final:
         cmd += " --final"
+    elif scenario == "both" and boot == 0:
+        cmd += " --then-write"
     for a in serve_args:
         cmd += f" --serve-arg={a}"
     return vm.job_script(cmd, source)
@@ -205,14 +218,18 @@ def run(
     res = RunResult(scenario, seed, kvm, list(serve_args or []), commit)
     acked: set[int] = set()
     t0 = time.monotonic()
-    boots = cuts + 1 if scenario == "vm" else 2
+    if scenario == "both" and cuts < 1:
+        raise ValueError("the `both` scenario needs at least one full cut")
+    boots = cuts + 1 if scenario in ("vm", "both") else 2
     for boot in range(boots):
         (out).mkdir(parents=True, exist_ok=True)
         (out / "acked.txt").write_text("\n".join(map(str, sorted(acked))))
         final = boot == boots - 1
-        job = guest_command(boot, scenario if not final else "vm", final, res.serve_args, source)
+        job = guest_command(boot, scenario, final, res.serve_args, source)
         m = vm.start(image, job, out, disks, boot, kvm, source)
-        early = scenario == "vm" and not final and rng.random() < early_cut_p
+        replica_boot = boot == 0 and scenario in ("replica", "both")
+        early = not replica_boot and scenario != "replica" and not final
+        early = early and rng.random() < early_cut_p
         if early and _cut_during_startup(m, rng.uniform(1.0, early_cut_window_s), boot_timeout_s):
             res.cuts.append(Cut(boot, "startup", round(time.monotonic() - m.started, 2), 0))
             if log:
@@ -227,14 +244,15 @@ def run(
         if final:
             m.wait(boot_timeout_s)
             break
-        if scenario == "replica":
+        if replica_boot:
             wait_line(m, "C DONE", boot_timeout_s)
             report = json.loads((out / f"report-{boot}.json").read_text())
             res.replica_cut = replica_verdict(report["replica_cut"], set(acks(m)))
+        if scenario == "replica":
             m.wait(boot_timeout_s)
             acked |= set(acks(m))
             continue
-        wrote_at = wait_line(m, "C WRITING", boot_timeout_s)
+        wrote_at = wait_line(m, WRITING_AGAIN if replica_boot else "C WRITING", boot_timeout_s)
         delay = rng.uniform(1.0, write_window_s)
         while time.monotonic() < wrote_at + delay and m.alive():
             time.sleep(POLL_S)
@@ -297,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tests.powercut.run", description=__doc__)
     ap.add_argument("--cuts", type=int, default=24)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--scenario", choices=("vm", "replica"), default="vm")
+    ap.add_argument("--scenario", choices=("vm", "replica", "both"), default="vm")
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `directory serve` flag")
     ap.add_argument(
         "--work", default="", help="folder for disks and the share (default: a temp dir)"
