@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdir.local import free_ports, wait_for
+from kvdir.local import free_port_run, free_ports, wait_for
 from tests.gateway.helpers import MODEL, Backends, call, metric
 
 pytestmark = pytest.mark.integration
@@ -71,7 +71,8 @@ def _served(port: int) -> float:
 
 @pytest.mark.timeout(120)
 def test_two_workers_serve_one_port_and_stop_on_sigterm(backends: Backends, tmp_path: Path) -> None:
-    port, base, _ = free_ports(3)
+    base = free_port_run(3)
+    port = base + 2  # workers 0 and 1 own base and base + 1
     cfg = _config(tmp_path / "gw.toml", backends, port, "workers = 2", f"worker_port_base = {base}")
     with _daemon(cfg, tmp_path / "gw.log") as proc:
         wait_for(lambda: _up(port) and _up(base) and _up(base + 1), 60, "both workers")
