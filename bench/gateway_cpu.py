@@ -8,6 +8,7 @@ shows how much of the host the phase had: the development machine is shared.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import urllib.request
@@ -66,7 +67,7 @@ def _per_request_us(phases: list[dict[str, Any]], key: str) -> float:
 
 def cpu_summary(phases: list[dict[str, Any]], rate: float) -> tuple[str, dict[str, Any]]:
     """Markdown and data: CPU per request of each proxy's phases at `rate`."""
-    rows, data = [], {}
+    rows, data, failures = [], {}, []
     for proxy in ("passthrough", "gateway"):
         ps = [p for p in phases if p["proxy"] == proxy and p["rate"] == rate]
         d = {k: _per_request_us(ps, k) for k in ("proxy_cpu_s", "backends_cpu_s", "loadgen_cpu_s")}
@@ -74,10 +75,16 @@ def cpu_summary(phases: list[dict[str, Any]], rate: float) -> tuple[str, dict[st
         loads = [p["loadavg_1m"] for p in ps]
         d["machine_busy_share_mean"] = sum(busy) / len(busy) if busy else math.nan
         d["loadavg_1m_max"] = max(loads, default=math.nan)
+        d["failed"] = sum(p.get("failed", 0) for p in ps)
         data[proxy] = d
+        kinds = collections.Counter[str]()
+        for p in ps:
+            kinds.update(p.get("failures", {}))
+        failures += [f"- {proxy}: {k} (x{v})" for k, v in kinds.most_common(3)]
         rows.append(
             (
                 proxy,
+                f"{int(d['failed']):,}",
                 f"{d['proxy_cpu_s']:.0f}",
                 f"{d['backends_cpu_s']:.0f}",
                 f"{d['loadgen_cpu_s']:.0f}",
@@ -87,6 +94,7 @@ def cpu_summary(phases: list[dict[str, Any]], rate: float) -> tuple[str, dict[st
         )
     header = [
         "phases of",
+        "failed requests",
         "proxy CPU us/request (all workers)",
         "backends us/request",
         "load generator us/request",
@@ -96,4 +104,6 @@ def cpu_summary(phases: list[dict[str, Any]], rate: float) -> tuple[str, dict[st
     md = f"CPU per request at {rate:g} requests/s (means over the phases):\n\n" + report.table(
         rows, header
     )
+    if failures:  # they count as infinitely late in the latencies above
+        md += "\n\nFailed requests, most frequent kinds:\n\n" + "\n".join(failures)
     return md, data

@@ -123,6 +123,13 @@ class GatewayMetrics:
             ["backend"],
             registry=r,
         )
+        self.lookups = Gauge(
+            "kvdir_gateway_mirror_lookups",
+            "Prefix lookups so far with the mirror on, by who answered: the in-process "
+            "mirror, or the RPC path while the mirror was stale",
+            ["source"],
+            registry=r,
+        )
         self.worker = Gauge(
             "kvdir_gateway_worker",
             "1, labelled with this process's worker index (each worker has its own metrics)",

@@ -126,6 +126,10 @@ class Gateway:
             )
             self.metrics.child("backend_load", b.node_id).set_function(lambda b=b: b.load)
         self.metrics.child("worker", str(worker)).set(1)
+        if isinstance(self.lookups, MirroredLookups):
+            lk = self.lookups
+            self.metrics.child("lookups", "mirror").set_function(lambda: float(lk.served))
+            self.metrics.child("lookups", "rpc").set_function(lambda: float(lk.fallbacks))
 
     # ------------------------------------------------------------ lifecycle
 
