@@ -15,6 +15,12 @@ directory on one backend's node). Latency runs from each request's
 its queue. The phases alternate pass-through / gateway for `--rounds`
 rounds; the first `--warmup-s` of each phase is not counted.
 
+With `--workers N` both proxies run N processes on their port
+(`workers = N`, SO_REUSEPORT), so the comparison stays like for like. CPU
+per request: each phase reads the proxies' own `process_cpu_seconds_total`
+(every worker's, at its own port) and the backends' and load generator's CPU
+from /proc, and the machine's busy share, so a shared host shows.
+
 Target (issue 6): added latency p99 <= 2 ms over the pass-through at 500
 requests/s of 8k-token prompts.
 """
@@ -23,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import datetime as dt
 import json
+import math
 import random
 import subprocess
 import sys
@@ -35,9 +43,12 @@ from pathlib import Path
 from typing import Any
 
 from bench import measure
+from bench.gateway_cpu import PhaseCpu, cpu_summary, metric
 from kvdir import report
 
 TARGET_ADDED_P99_MS = 2.0
+FAILURE_KINDS_MAX = 3
+"""Kinds of failed requests a phase reports (the most frequent)."""
 MODEL = "bench-model"
 BLOCK_TOKENS = 16
 
@@ -74,28 +85,32 @@ def _toml(cfg: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def _load(url: str, bodies: list[bytes], rate: float, seconds: float) -> list[float]:
-    """Open-loop: request i is due at start + i / rate; latency from due time to response end."""
+async def _load(
+    url: str, bodies: list[bytes], rate: float, seconds: float
+) -> tuple[list[float], collections.Counter[str]]:
+    """Open-loop: request i is due at start + i / rate; latency from due time to response end.
+
+    A failed request (overload: a refused connection, a 503) is infinitely late in the
+    latencies, so a tail that fails cannot look fast; the failures come back by kind."""
     import aiohttp
 
     n = int(rate * seconds)
-    lat: list[float] = [float("nan")] * n
-    errors = 0
+    lat: list[float] = [math.inf] * n
+    errors: collections.Counter[str] = collections.Counter()
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as s:
 
         async def one(i: int, due: float) -> None:
-            nonlocal errors
             try:
                 async with s.post(
                     url, data=bodies[i % len(bodies)], headers={"Content-Type": "application/json"}
                 ) as r:
-                    await r.read()
+                    body = await r.read()
                     if r.status != 200:
-                        errors += 1
+                        errors[f"HTTP {r.status}: {body[:200]!r}"] += 1
                         return
-            except aiohttp.ClientError:
-                errors += 1
+            except aiohttp.ClientError as e:
+                errors[f"{type(e).__name__}: {e}"] += 1
                 return
             lat[i] = time.perf_counter() - due
 
@@ -108,9 +123,7 @@ async def _load(url: str, bodies: list[bytes], rate: float, seconds: float) -> l
                 await asyncio.sleep(delay)
             tasks.append(asyncio.ensure_future(one(i, due)))
         await asyncio.gather(*tasks)
-    if errors:
-        raise RuntimeError(f"{errors} of {n} requests to {url} failed")
-    return lat
+    return lat, errors
 
 
 GATEWAY_STATS = (measure.P50, measure.P90, measure.P99, measure.P999, measure.MAX)
@@ -121,22 +134,12 @@ def _stats(xs: list[float]) -> dict[str, float]:
     return measure.ms_stats_from_s(xs, GATEWAY_STATS)
 
 
-def _metric(port: int, name: str) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-        text = r.read().decode()
-    return sum(
-        float(line.rpartition(" ")[2])
-        for line in text.splitlines()
-        if line.startswith(name + " ") or line.startswith(name + "{")
-    )
-
-
 def run(args: argparse.Namespace) -> int:
     from kvdir.core.client import DirectoryClient
     from kvdir.core.hashing import block_chain
     from kvdir.gateway.chain import model_namespace
     from kvdir.gateway.config import ModelConfig
-    from kvdir.local import LocalCluster, free_ports
+    from kvdir.local import LocalCluster, free_port_run
 
     started = dt.datetime.now(dt.UTC)
     head = report.header(started)
@@ -147,7 +150,12 @@ def run(args: argparse.Namespace) -> int:
         cluster = LocalCluster(str(base / "dir"), size=1)
         try:
             cluster.start(timeout_s=60)
-            ports = free_ports(args.backends + 2)
+            # one run of ports: backends, both proxies' ports, then each one's workers'
+            n_workers = args.workers
+            first = free_port_run(args.backends + 2 + 2 * n_workers)
+            ports = list(range(first, first + args.backends + 2))
+            bases = {"gateway": ports[-1] + 1, "passthrough": ports[-1] + 1 + n_workers}
+            worker_ports = {k: list(range(b, b + n_workers)) for k, b in bases.items()}
             names = [f"bench-b{i}" for i in range(args.backends)]
             for name, port in zip(names, ports, strict=False):
                 procs.append(
@@ -194,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
                 "directory": cluster.grpc_addresses,
                 "log_format": "text",
                 "health_interval_s": 5.0,
+                "workers": n_workers,
                 "backends": [
                     {
                         "url": f"http://127.0.0.1:{p}",
@@ -212,7 +221,12 @@ def run(args: argparse.Namespace) -> int:
                 (gw_port, {"policy": args.policy}, "gateway"),
                 (pt_port, {"passthrough": True}, "passthrough"),
             ):
-                cfg = {"listen": f"127.0.0.1:{port}", **extra, **common}
+                cfg = {
+                    "listen": f"127.0.0.1:{port}",
+                    "worker_port_base": bases[stem],
+                    **extra,
+                    **common,
+                }
                 path = base / f"{stem}.toml"
                 path.write_text(_toml(cfg))
                 procs.append(
@@ -220,8 +234,11 @@ def run(args: argparse.Namespace) -> int:
                         ["-m", "kvdir.cli", "gateway", "--config", str(path)], base / f"{stem}.log"
                     )
                 )
-            for port in (gw_port, pt_port):
+            for port in (gw_port, pt_port, *worker_ports["gateway"], *worker_ports["passthrough"]):
                 _wait_http(f"http://127.0.0.1:{port}/health", 60)
+            backend_pids = [p.pid for p in procs[: args.backends]]
+            cpu = {k: PhaseCpu(v, backend_pids) for k, v in worker_ports.items()}
+            phases: list[dict[str, Any]] = []
 
             try:
                 import uvloop
@@ -236,23 +253,37 @@ def run(args: argparse.Namespace) -> int:
                 for _ in range(args.rounds):
                     for stem, port in (("passthrough", pt_port), ("gateway", gw_port)):
                         url = f"http://127.0.0.1:{port}/v1/completions"
-                        try:
-                            lat = runner(_load(url, bodies, rate, args.seconds + args.warmup_s))
-                        except RuntimeError as e:  # name the proxy, show the end of its log
-                            tail = (base / f"{stem}.log").read_text(errors="replace")[-3000:]
-                            raise RuntimeError(f"{stem} at {rate:.0f} req/s: {e}\n{tail}") from e
+                        cpu[stem].start()
+                        lat, errors = runner(_load(url, bodies, rate, args.seconds + args.warmup_s))
+                        phases.append(
+                            {
+                                "proxy": stem,
+                                "rate": rate,
+                                **cpu[stem].stop(len(lat)),
+                                "failed": errors.total(),
+                                "failures": dict(errors.most_common(FAILURE_KINDS_MAX)),
+                            }
+                        )
                         out[stem].extend(lat[skip:])
                 return out
 
             samples = measure(args.rate)
             extra = {r: measure(r) for r in args.extra_rates}
-            server_added_s = _metric(gw_port, "kvdir_gateway_added_seconds_sum") / max(
-                1.0, _metric(gw_port, "kvdir_gateway_added_seconds_count")
+            gw_ports = worker_ports["gateway"]
+
+            def total(name: str) -> float:  # summed over the gateway's workers
+                return sum(metric(p, name) for p in gw_ports)
+
+            server_added_s = total("kvdir_gateway_added_seconds_sum") / max(
+                1.0, total("kvdir_gateway_added_seconds_count")
             )
-            decisions = _metric(gw_port, "kvdir_gateway_decisions_total")
-            hit_tokens = _metric(gw_port, "kvdir_gateway_predicted_hit_tokens_total")
-            prompt_tokens = _metric(gw_port, "kvdir_gateway_prompt_tokens_total")
-            degraded = _metric(gw_port, "kvdir_gateway_degraded_decisions_total")
+            decisions = total("kvdir_gateway_decisions_total")
+            hit_tokens = total("kvdir_gateway_predicted_hit_tokens_total")
+            prompt_tokens = total("kvdir_gateway_prompt_tokens_total")
+            degraded = total("kvdir_gateway_degraded_decisions_total")
+            mirror_share = total('kvdir_gateway_mirror_lookups{source="mirror"}') / max(
+                1.0, total("kvdir_gateway_mirror_lookups")
+            )
         finally:
             for p in procs:
                 p.terminate()
@@ -333,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
         if extra_rows
         else []
     )
+    cpu_md, cpu_data = cpu_summary(phases, args.rate)
     md = (
         "\n\n".join(
             [
@@ -340,16 +372,19 @@ def run(args: argparse.Namespace) -> int:
                 report.header_markdown(head),
                 __doc__ or "",
                 *([f"**Note:** {args.note}"] if args.note else []),
+                f"{args.workers} worker process(es) per proxy; "
                 f"{args.backends} echo backends; {args.rounds} rounds of {args.seconds:g} s "
                 f"per proxy at {args.rate:g} requests/s (plus {args.warmup_s:g} s warm-up each); "
                 f"the gateway took {int(decisions):,} decisions ({int(degraded)} degraded), "
-                f"predicted {hit_tokens / max(prompt_tokens, 1):.3f} of prompt tokens cached; "
+                f"predicted {hit_tokens / max(prompt_tokens, 1):.3f} of prompt tokens cached, "
+                f"{mirror_share:.3f} of lookups answered by its in-process mirror; "
                 f"its own mean added time (arrival to backend request, /metrics): "
                 f"{server_added_s * 1e3:.3f} ms.",
                 report.targets_table(targets),
                 report.table(
                     rows, ["", "requests", "p50 ms", "p90 ms", "p99 ms", "p99.9 ms", "max ms"]
                 ),
+                cpu_md,
                 *extra_md,
             ]
         )
@@ -364,9 +399,14 @@ def run(args: argparse.Namespace) -> int:
         "server_added_mean_s": server_added_s,
         "decisions": decisions,
         "degraded": degraded,
+        "mirror_lookup_share": mirror_share,
         "other_rates": extra_data,
+        "workers": args.workers,
+        "cpu": cpu_data,
+        "phases": phases,
     }
-    md_path, js_path = report.write(Path(args.out), f"gateway-{started:%Y-%m-%d}", md, data)
+    stem = f"gateway-{started:%Y-%m-%d}" + (f"-workers{args.workers}" if args.workers > 1 else "")
+    md_path, js_path = report.write(Path(args.out), stem, md, data)
     print(md)
     print(f"wrote {md_path} and {js_path}")
     return 0
@@ -392,6 +432,9 @@ def add_parser(kinds: Any) -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--prompt-tokens", type=int, default=8192)
     p.add_argument("--backends", type=int, default=2)
+    p.add_argument(
+        "--workers", type=int, default=1, help="processes per proxy on its port (SO_REUSEPORT)"
+    )
     p.add_argument("--policy", default="affinity+pool")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--note", default="", help="a line for the report (how the run was held)")

@@ -206,18 +206,23 @@ def cmd_gateway(args: argparse.Namespace) -> int:
     from kvdir.core import logs
     from kvdir.gateway import config as gateway_config
     from kvdir.gateway.server import serve
+    from kvdir.gateway.workers import WorkerError, serve_workers
 
     overrides: dict[str, Any] = {
         "listen": args.listen,
         "directory": args.directory,
         "policy": args.policy,
         "log_format": args.log_format,
+        "workers": args.workers,
     }
     cfg = gateway_config.load(args.config, overrides)
     logs.setup(cfg.log_format, args.log_level, {"component": "gateway"})
     try:
-        serve(cfg)
-    except OSError as e:  # the listen address is taken, a certificate is unreadable
+        if cfg.workers > 1:
+            serve_workers(cfg, args.log_level)
+        else:
+            serve(cfg)
+    except (OSError, WorkerError) as e:  # the listen address is taken, a worker died, ...
         raise CliError(f"gateway: {e}") from e
     return 0
 
@@ -728,6 +733,7 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
         "--policy", help="random | round-robin | least-loaded | affinity | affinity+pool"
     )
     gw.add_argument("--log-format", choices=["json", "text"])
+    gw.add_argument("--workers", type=int, help="processes sharing the listen port (SO_REUSEPORT)")
     gw.add_argument("--log-level", default="INFO")
     gw.set_defaults(func=cmd_gateway)
 

@@ -43,6 +43,29 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+PORT_RUN_ATTEMPTS = 50
+
+
+def free_port_run(n: int) -> int:
+    """The first of `n` consecutive loopback ports that were all free a moment ago."""
+    for _ in range(PORT_RUN_ATTEMPTS):
+        (base,) = free_ports(1)
+        if base + n > 65536:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind((LOOPBACK, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise ClusterError(f"no {n} consecutive free loopback ports in {PORT_RUN_ATTEMPTS} tries")
+
+
 def wait_for(
     cond: Callable[[], bool], timeout_s: float, what: str, interval_s: float = 0.02
 ) -> None:

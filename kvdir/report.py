@@ -258,4 +258,7 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     pos = (len(sorted_values) - 1) * q / 100
     lo = math.floor(pos)
     hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+    a, b, frac = sorted_values[lo], sorted_values[hi], pos - lo
+    if frac == 0 or a == b:  # exact, and no inf - inf (a failed request is infinitely late)
+        return a
+    return a + (b - a) * frac

@@ -1,4 +1,4 @@
-"""The backends: health, in-flight counts (the routing load) and concurrency limits.
+"""The backends: health, load (in-flight counts, engine gauges) and concurrency limits.
 
 A backend is a candidate when it is healthy, serves the request's model and
 has fewer than `max_concurrency` requests in flight through this gateway.
@@ -22,7 +22,7 @@ import aiohttp
 
 from kvdir.gateway.config import BackendConfig
 from kvdir.gateway.errors import RequestError
-from kvdir.routing import Candidate
+from kvdir.routing import Candidate, EngineLoad, backend_load
 
 log = logging.getLogger("kvdir.gateway")
 
@@ -33,6 +33,10 @@ class Backend:
     healthy: bool = True
     inflight: int = 0
     last_error: str = ""
+    engine: EngineLoad | None = None
+    """The engine's own load gauges at the last poll (engine_load.py); None: none."""
+    engine_lost: bool = False
+    """The last poll failed (it was logged; the next success is logged too)."""
     candidate: Candidate = field(init=False)
 
     def __post_init__(self) -> None:
@@ -47,9 +51,14 @@ class Backend:
     def serves(self, model: str | None) -> bool:
         return model is None or not self.cfg.models or model in self.cfg.models
 
+    @property
+    def load(self) -> float:
+        """What the router weighs: in-flight requests and the engine's own gauges."""
+        return backend_load(self.inflight, self.engine)
+
     def as_candidate(self) -> Candidate:
         c = self.candidate
-        return Candidate(c.node_id, float(self.inflight), c.host, c.transports)
+        return Candidate(c.node_id, self.load, c.host, c.transports)
 
 
 class BackendPool:

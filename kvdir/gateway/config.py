@@ -35,6 +35,8 @@ from kvdir.core.security import ClientSecurity, SecurityConfigError, read_secret
 from kvdir.routing import SHAPES, Policy
 
 HASH_SCHEMES = ("vllm", "sglang", "kvdir")
+WORKERS_MAX = 64
+"""Most gateway worker processes on one port (each holds a whole mirror of the directory)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +128,16 @@ class GatewayConfig:
     log_format: str = "json"
     passthrough: bool = False
     """No parsing or routing: round-robin over healthy backends (the benchmark's baseline)."""
+    workers: int = 1
+    """Gateway processes sharing `listen` with SO_REUSEPORT (kvdir/gateway/workers.py)."""
+    worker_port_base: int = 0
+    """Worker i also serves on `listen`'s host at this port + i, so each worker's own
+    /metrics can be scraped (0: no per-worker ports)."""
+    engine_metrics: bool = True
+    """Poll each backend's Prometheus metrics for its own load (kvdir/gateway/engine_load.py)."""
+    engine_metrics_path: str = "/metrics"
+    engine_metrics_interval_s: float = 1.0
+    engine_metrics_timeout_s: float = 0.5
 
     def model(self, name: str) -> ModelConfig | None:
         for m in self.models:
@@ -223,6 +235,26 @@ def directory_security(cfg: GatewayConfig) -> ClientSecurity:
     )
 
 
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_workers(cfg: GatewayConfig) -> None:
+    n = cfg.workers
+    if not _is_int(n) or not 1 <= n <= WORKERS_MAX:
+        raise ConfigError(
+            f"workers must be an integer from 1 to {WORKERS_MAX} "
+            f"(gateway processes sharing the listen port), not {n!r}"
+        )
+    if n > 1 and host_port(cfg.listen, "listen")[1] == 0:
+        raise ConfigError("workers > 1 needs a fixed listen port (port 0 gives each its own)")
+    base = cfg.worker_port_base
+    if not _is_int(base) or (base != 0 and not 1 <= base <= 65536 - n):
+        raise ConfigError(
+            f"worker_port_base must be 0 (none) or a port with room for {n} workers, not {base!r}"
+        )
+
+
 def check(cfg: GatewayConfig) -> None:
     """Refuse what cannot work, with a reason naming the key."""
     if not cfg.backends:
@@ -263,14 +295,17 @@ def check(cfg: GatewayConfig) -> None:
         "first_byte_timeout_s",
         "queue_timeout_s",
         "body_max_bytes",
+        "engine_metrics_interval_s",
+        "engine_metrics_timeout_s",
     )
     for name in positive:
         if getattr(cfg, name) <= 0:
             raise ConfigError(f"{name} must be > 0")
+    _check_workers(cfg)
     if cfg.retries < 0 or cfg.balance_abs < 0 or cfg.balance_rel < 1:
         raise ConfigError("retries and balance_abs must be >= 0, balance_rel >= 1")
-    if not cfg.health_path.startswith("/"):
-        raise ConfigError("health_path must start with /")
+    if not cfg.health_path.startswith("/") or not cfg.engine_metrics_path.startswith("/"):
+        raise ConfigError("health_path and engine_metrics_path must start with /")
     if cfg.log_format not in ("json", "text"):
         raise ConfigError("log_format must be 'json' or 'text'")
 
@@ -281,6 +316,7 @@ def load(path: str, overrides: dict[str, Any] | None = None) -> GatewayConfig:
 
 __all__ = [
     "HASH_SCHEMES",
+    "WORKERS_MAX",
     "BackendConfig",
     "ConfigError",
     "GatewayConfig",

@@ -11,6 +11,11 @@ bounded list served at `GET /_seen`, and `POST /_mode` makes it misbehave:
 - `unhealthy`: `/health` answers 503 (requests are still served);
 - `delay_s`: wait that long before answering (a slow prefill).
 
+`GET /metrics` answers vLLM's load gauges (`vllm:num_requests_running`: the
+requests being answered now; `vllm:num_requests_waiting` and
+`vllm:kv_cache_usage_perc`: what `POST /_load` set), or, as `POST /_load`'s
+`metrics` says, 404 (`absent`) or an unparsable page (`broken`).
+
     python -m kvdir.gateway.echo_backend --port 8001 --name b1
 """
 
@@ -28,6 +33,7 @@ from aiohttp import web
 
 SEEN_MAX = 4096
 MODES = ("ok", "reset", "break", "unhealthy")
+METRICS_MODES = ("ok", "absent", "broken")
 
 
 class EchoBackend:
@@ -52,6 +58,9 @@ class EchoBackend:
         self.active = 0
         self.max_active = 0
         self.seen: collections.deque[dict[str, Any]] = collections.deque(maxlen=SEEN_MAX)
+        self.waiting = 0
+        self.kv_usage = 0.0
+        self.metrics_mode = "ok"
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=256 * 1024 * 1024)
@@ -61,7 +70,43 @@ class EchoBackend:
         app.router.add_get("/health", self._health)
         app.router.add_get("/_seen", self._seen)
         app.router.add_post("/_mode", self._set_mode)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_post("/_load", self._set_load)
         return app
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_mode == "absent":
+            return web.Response(status=404)
+        if self.metrics_mode == "broken":
+            return web.Response(text='vllm:num_requests_running{engine="0" }} x\n')
+        labels = f'engine="0",model_name="{self.model}"'
+        lines = []
+        for name, kind, value in (
+            ("vllm:num_requests_running", "gauge", float(self.active)),
+            ("vllm:num_requests_waiting", "gauge", float(self.waiting)),
+            ("vllm:kv_cache_usage_perc", "gauge", self.kv_usage),
+        ):
+            lines += [f"# HELP {name} {name}", f"# TYPE {name} {kind}"]
+            lines.append(f"{name}{{{labels}}} {value}")
+        return web.Response(text="\n".join(lines) + "\n", content_type="text/plain")
+
+    async def _set_load(self, request: web.Request) -> web.Response:
+        req = await request.json()
+        waiting, kv = req.get("waiting", 0), req.get("kv_usage", 0.0)
+        mode = req.get("metrics", "ok")
+        if (
+            mode not in METRICS_MODES
+            or not isinstance(waiting, int)
+            or waiting < 0
+            or not isinstance(kv, int | float)
+            or not 0 <= kv <= 1
+        ):
+            return web.json_response(
+                {"error": f"metrics must be one of {METRICS_MODES}, waiting >= 0, kv_usage 0..1"},
+                status=400,
+            )
+        self.waiting, self.kv_usage, self.metrics_mode = waiting, float(kv), mode
+        return web.json_response({"metrics": mode})
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self.mode == "unhealthy" else 200)

@@ -1,10 +1,15 @@
-"""Prometheus metrics of the gateway (one registry per gateway; served at /metrics)."""
+"""Prometheus metrics of the gateway (one registry per gateway; served at /metrics).
+
+With `workers > 1` every worker process keeps its own registry: a scrape of the
+shared port reads whichever worker the kernel hands the connection to, so scrape
+each worker at its own port (`worker_port_base + i`) and sum across them.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 _ADDED_BUCKETS_S = (
     0.0001,
@@ -112,3 +117,25 @@ class GatewayMetrics:
             ["backend"],
             registry=r,
         )
+        self.backend_load = Gauge(
+            "kvdir_gateway_backend_load",
+            "The backend's load as routed on: in-flight requests and its engine's own gauges",
+            ["backend"],
+            registry=r,
+        )
+        self.lookups = Gauge(
+            "kvdir_gateway_mirror_lookups",
+            "Prefix lookups so far with the mirror on, by who answered: the in-process "
+            "mirror, or the RPC path while the mirror was stale",
+            ["source"],
+            registry=r,
+        )
+        self.worker = Gauge(
+            "kvdir_gateway_worker",
+            "1, labelled with this process's worker index (each worker has its own metrics)",
+            ["worker"],
+            registry=r,
+        )
+        # process_cpu_seconds_total and friends: the gateway's own CPU per request
+        # (`kvdir bench gateway` divides it by the requests served).
+        ProcessCollector(registry=r)

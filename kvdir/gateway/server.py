@@ -26,7 +26,7 @@ import random
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import aiohttp
@@ -41,6 +41,7 @@ from kvdir.core.mirror_sync import MirrorSync
 from kvdir.gateway.backends import Backend, BackendPool
 from kvdir.gateway.chain import chain_fn, model_namespace
 from kvdir.gateway.config import GatewayConfig, ModelConfig, directory_security, host_port
+from kvdir.gateway.engine_load import EngineLoadPoller
 from kvdir.gateway.errors import RequestError, bad_request
 from kvdir.gateway.lookup import DirectoryLookups
 from kvdir.gateway.metrics import GatewayMetrics
@@ -92,8 +93,11 @@ class Gateway:
         metrics: GatewayMetrics | None = None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        worker: int = 0,
     ) -> None:
         self.cfg = cfg
+        self.worker = worker
+        """This process's index among `cfg.workers` (kvdir/gateway/workers.py)."""
         self.metrics = metrics or GatewayMetrics()
         self.policy = Policy(cfg.policy)
         self._rng = rng or random.Random(cfg.seed)
@@ -103,6 +107,12 @@ class Gateway:
         self._routers: dict[tuple[str, Policy], Router] = {}
         self._default_cost = CostModel(block_tokens=16)
         self.pool = BackendPool(cfg.backends, self._health_changed)
+        self.engine_load = EngineLoadPoller(
+            self.pool,
+            cfg.engine_metrics_path,
+            cfg.engine_metrics_interval_s,
+            cfg.engine_metrics_timeout_s,
+        )
         self.lookups = _lookups(cfg, lambda up: self.metrics.directory_up.set(1 if up else 0))
         self._rr = 0
         self._session: aiohttp.ClientSession | None = None
@@ -114,6 +124,12 @@ class Gateway:
             self.metrics.child("backend_inflight", b.node_id).set_function(
                 lambda b=b: float(b.inflight)
             )
+            self.metrics.child("backend_load", b.node_id).set_function(lambda b=b: b.load)
+        self.metrics.child("worker", str(worker)).set(1)
+        if isinstance(self.lookups, MirroredLookups):
+            lk = self.lookups
+            self.metrics.child("lookups", "mirror").set_function(lambda: float(lk.served))
+            self.metrics.child("lookups", "rpc").set_function(lambda: float(lk.fallbacks))
 
     # ------------------------------------------------------------ lifecycle
 
@@ -155,16 +171,30 @@ class Gateway:
                 )
             )
         )
+        if self.cfg.engine_metrics and not self.cfg.passthrough:
+            self._tasks.append(loop.create_task(self.engine_load.loop(self._session)))
         if not self.cfg.passthrough:
             self.lookups.start()
+        await self._listen()
+
+    async def _listen(self) -> None:
+        """The shared `listen` port (SO_REUSEPORT with several workers), and this worker's own."""
         self._runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
         await self._runner.setup()
         host, port = host_port(self.cfg.listen, "listen")
-        site = web.TCPSite(self._runner, host, port, ssl_context=self._ssl_server(), backlog=1024)
+        tls = self._ssl_server()
+        shared = self.cfg.workers > 1
+        site = web.TCPSite(
+            self._runner, host, port, ssl_context=tls, backlog=1024, reuse_port=shared
+        )
         await site.start()
         self.port = self._runner.addresses[0][1]
+        if self.cfg.worker_port_base:
+            own = self.cfg.worker_port_base + self.worker
+            await web.TCPSite(self._runner, host, own, ssl_context=tls).start()
         log.info(
-            "gateway listening on %s:%d (%s, policy %s, %d backends)",
+            "gateway worker %d listening on %s:%d (%s, policy %s, %d backends)",
+            self.worker,
             host,
             self.port,
             "https" if self.cfg.tls_cert else "http",
@@ -470,8 +500,18 @@ class BackgroundGateway:
         self._loop.close()
 
 
+def run_loop(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run `main()` on uvloop (asyncio's own loop where uvloop is missing)."""
+    try:
+        import uvloop
+    except ImportError:  # uvloop is a dependency; an odd platform without it still runs
+        asyncio.run(main())
+        return
+    uvloop.run(main())
+
+
 def serve(cfg: GatewayConfig) -> None:
-    """Run until SIGTERM or SIGINT (the `kvdir gateway` daemon)."""
+    """Run one gateway process until SIGTERM or SIGINT (the `kvdir gateway` daemon)."""
     import signal
 
     async def main() -> None:
@@ -486,9 +526,4 @@ def serve(cfg: GatewayConfig) -> None:
         finally:
             await gw.stop()
 
-    try:
-        import uvloop
-
-        uvloop.run(main())
-    except ImportError:  # uvloop is a dependency; an odd platform without it still runs
-        asyncio.run(main())
+    run_loop(main)

@@ -1,6 +1,7 @@
 """Routing policies for schedulers: pick the node for a prompt (docs/routing.md).
 
-`cost` (the cost model) and `policy` (the policies) are pure; the only I/O is
+`cost` (the cost model), `load` (a backend's load from in-flight counts and the
+engine's own gauges) and `policy` (the policies) are pure; the only I/O is
 `directory_source.DirectorySource`, which reads prefix holders from the
 directory in batches.
 """
@@ -17,6 +18,7 @@ from kvdir.routing.cost import (
     PullPlan,
     fit_prefill,
 )
+from kvdir.routing.load import DEFAULT_WEIGHTS, EngineLoad, LoadWeights, backend_load
 from kvdir.routing.policy import (
     Balance,
     Candidate,
@@ -32,6 +34,7 @@ from kvdir.routing.policy import (
 
 __all__ = [
     "DEFAULT_LINKS",
+    "DEFAULT_WEIGHTS",
     "LLAMA3_8B",
     "LLAMA_70B",
     "SHAPES",
@@ -39,8 +42,10 @@ __all__ = [
     "Candidate",
     "CostModel",
     "Decision",
+    "EngineLoad",
     "Holder",
     "Link",
+    "LoadWeights",
     "ModelShape",
     "Policy",
     "PrefillFit",
@@ -49,6 +54,7 @@ __all__ = [
     "Router",
     "Rule",
     "Score",
+    "backend_load",
     "fit_prefill",
     "score",
 ]

@@ -50,6 +50,8 @@ def test_bench_gateway_tiny(tmp_path: Path) -> None:
             "1024",
             "--extra-rates",
             "20",
+            "--workers",
+            "2",
             "--out",
             str(tmp_path),
         ],
@@ -62,6 +64,9 @@ def test_bench_gateway_tiny(tmp_path: Path) -> None:
     assert math.isfinite(data["added"]["p99_ms"]) and data["decisions"] >= 80
     (other,) = data["other_rates"]
     assert other["rate"] == 20 and other["gateway"]["n"] == 20
+    assert data["workers"] == 2 and js.name.endswith("-workers2.json")
+    for side in ("passthrough", "gateway"):  # both workers' CPU, per request
+        assert data["cpu"][side]["proxy_cpu_s"] > 0, data["cpu"]
     assert (tmp_path / js.name.replace(".json", ".md")).read_text().startswith("# kvdir bench")
 
 

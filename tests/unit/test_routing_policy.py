@@ -45,9 +45,10 @@ def router(
 def test_public_api_is_pinned() -> None:
     assert sorted(routing.__all__) == sorted(
         [
-            "DEFAULT_LINKS", "LLAMA3_8B", "LLAMA_70B", "SHAPES", "Balance", "Candidate",
-            "CostModel", "Decision", "Holder", "Link", "ModelShape", "Policy", "PrefillFit",
-            "Prompt", "PullPlan", "Router", "Rule", "Score", "fit_prefill", "score",
+            "DEFAULT_LINKS", "DEFAULT_WEIGHTS", "LLAMA3_8B", "LLAMA_70B", "SHAPES", "Balance",
+            "Candidate", "CostModel", "Decision", "EngineLoad", "Holder", "Link", "LoadWeights",
+            "ModelShape", "Policy", "PrefillFit", "Prompt", "PullPlan", "Router", "Rule", "Score",
+            "backend_load", "fit_prefill", "score",
         ]
     )  # fmt: skip
 
