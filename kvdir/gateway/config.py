@@ -239,6 +239,14 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _number(v: object, name: str) -> float:
+    """`v` as a number, or a ConfigError naming the key (TOML gives strings and booleans
+    as they are; comparing them with numbers would be a TypeError, not a reason)."""
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ConfigError(f"{name} must be a number, not {v!r}")
+    return float(v)
+
+
 def _check_workers(cfg: GatewayConfig) -> None:
     n = cfg.workers
     if not _is_int(n) or not 1 <= n <= WORKERS_MAX:
@@ -299,9 +307,11 @@ def check(cfg: GatewayConfig) -> None:
         "engine_metrics_timeout_s",
     )
     for name in positive:
-        if getattr(cfg, name) <= 0:
+        if _number(getattr(cfg, name), name) <= 0:
             raise ConfigError(f"{name} must be > 0")
     _check_workers(cfg)
+    for name in ("retries", "balance_abs", "balance_rel"):
+        _number(getattr(cfg, name), name)
     if cfg.retries < 0 or cfg.balance_abs < 0 or cfg.balance_rel < 1:
         raise ConfigError("retries and balance_abs must be >= 0, balance_rel >= 1")
     if not cfg.health_path.startswith("/") or not cfg.engine_metrics_path.startswith("/"):

@@ -34,6 +34,8 @@ def test_config_defaults_and_refusals() -> None:
         ({"backends": [BACKEND], "listen": "nowhere"}, "HOST:PORT"),
         ({"backends": [BACKEND], "tls_cert": "c.pem"}, "go together"),
         ({"backends": [BACKEND], "retries": -1}, "retries"),
+        ({"backends": [BACKEND], "health_interval_s": "x"}, "health_interval_s must be a number"),
+        ({"backends": [BACKEND], "balance_rel": True}, "balance_rel must be a number"),
         ({"backends": [BACKEND], "bogus": 1}, "unknown keys: bogus"),
         ({"backends": [BACKEND], "models": [{"name": "m", "shape": "gpt"}]}, "shape"),
         ({"backends": [BACKEND], "models": [{"name": "m", "hash_algo": "md5"}]}, "hash_algo"),
