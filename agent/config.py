@@ -11,6 +11,8 @@ rdma_device = "mlx5_0"                  # rdma only; default: first device with 
 rdma_gid_index = 3                      # rdma only; default: first RoCE v2 IPv4-mapped GID
 lease_ms = 10000
 pool_dir = "/dev/shm"
+directory_mirror = true                 # lookups from an in-process mirror (docs/agent.md)
+directory_mirror_staleness_ms = 1000    # past this lag (or silence) lookups go over gRPC
 
 [[pools]]                               # one per namespace the engine serves
 model = "meta-llama/Llama-3.1-8B"
@@ -51,10 +53,17 @@ from typing import Any
 from kvdir.core.config import ConfigError, read_toml, security_sections
 from kvdir.core.security import AuthConfig, TlsConfig
 from kvdir.core.wire import namespace_key
-from kvdir.directory.limits import LEASE_MS_DEFAULT, LEASE_MS_MAX, LEASE_MS_MIN
+from kvdir.directory.limits import LEASE_MS_DEFAULT, LEASE_MS_MAX, LEASE_MS_MIN, WatchLimits
 from kvdir.v1 import directory_pb2 as pb
 
 POOL_BYTES_MAX = 1 << 40
+DIRECTORY_MIRROR_STALENESS_MS_MIN = 100
+DIRECTORY_MIRROR_STALENESS_MS_MAX = 60_000
+"""Bounds of `directory_mirror_staleness_ms`. Below the minimum an idle stream
+(a heartbeat every WatchLimits.heartbeat_ms) would flap between fresh and stale;
+above the maximum a mirror cut off from every replica would serve answers
+minutes old (safe, but each one a likely miss)."""
+assert 2 * WatchLimits().heartbeat_ms <= DIRECTORY_MIRROR_STALENESS_MS_MIN
 TRANSPORTS = ("tcp", "shm", "rdma", "cuda")
 
 
@@ -144,6 +153,12 @@ class AgentConfig:
     publish_batch_window_ms: int = 5
     publish_pending_max: int = 65536
     resync_interval_s: float = 300.0
+    directory_mirror: bool = True
+    """Answer lookups (the fetch path's, the engine's Lookup) from an in-process
+    mirror of the directory fed by a Watch stream (agent/directory_reads.py);
+    the RPC path serves while the mirror is stale."""
+    directory_mirror_staleness_ms: int = 1000
+    """Past this lag behind the leader (or silence of the stream) the mirror is stale."""
     rdma_device: str = ""
     rdma_port: int = 0
     rdma_gid_index: int = -1
@@ -266,6 +281,18 @@ def _check(cfg: AgentConfig) -> None:
         _check_engine(i, e)
     if cfg.fetch_timeout_ms <= 0 or cfg.publish_batch_window_ms <= 0:
         raise ConfigError("fetch_timeout_ms and publish_batch_window_ms must be > 0")
+    _check_mirror(cfg)
+
+
+def _check_mirror(cfg: AgentConfig) -> None:
+    if not isinstance(cfg.directory_mirror, bool):
+        raise ConfigError(f"directory_mirror must be true or false, not {cfg.directory_mirror!r}")
+    lo, hi = DIRECTORY_MIRROR_STALENESS_MS_MIN, DIRECTORY_MIRROR_STALENESS_MS_MAX
+    ms = cfg.directory_mirror_staleness_ms
+    if isinstance(ms, bool) or not isinstance(ms, int) or not lo <= ms <= hi:
+        raise ConfigError(
+            f"directory_mirror_staleness_ms must be an integer in {lo}..{hi} (got {ms!r})"
+        )
 
 
 def load(path: str, overrides: dict[str, Any] | None = None) -> AgentConfig:

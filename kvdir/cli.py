@@ -177,6 +177,8 @@ def cmd_agent_serve(args: argparse.Namespace) -> int:
         "lease_ms": args.lease_ms,
         "pool_dir": args.pool_dir,
         "log_format": args.log_format,
+        "directory_mirror": args.directory_mirror,
+        "directory_mirror_staleness_ms": args.directory_mirror_staleness_ms,
     }
     if args.pool:
         overrides["pools"] = [_pool_spec(p) for p in args.pool]
@@ -644,6 +646,13 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
     a.add_argument("--metrics", help="Prometheus HOST:PORT (empty: off)")
     a.add_argument("--transports", help="comma-separated backends to offer (tcp,shm)")
     a.add_argument("--lease-ms", type=int)
+    a.add_argument(
+        "--directory-mirror",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="lookups from an in-process mirror of the directory (default on; docs/agent.md)",
+    )
+    a.add_argument("--directory-mirror-staleness-ms", type=int)
     a.add_argument("--pool-dir", help="where the pool files live (default /dev/shm)")
     a.add_argument(
         "--pool",
