@@ -3,7 +3,9 @@
 Start order: open (or re-attach) the pools, register them with the transfer
 engine (one rkey per pool, shared by every backend), register the node with
 the directory under a fresh incarnation and publish what the pools already
-hold, then serve peers (TCP) and the local engine (Unix socket).
+hold, then serve peers (TCP) and the local engine (Unix socket). With
+`directory_mirror` on, the mirror's Watch stream starts before the servers
+(lookups take the RPC path until its first snapshot) and stops after them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import grpc
 from prometheus_client import start_http_server
 
 from kvdir.agent.config import AgentConfig
+from kvdir.agent.directory_reads import DirectoryReads, MirrorReads, mirror_reads
 from kvdir.agent.fetcher import Fetcher, PeerCache
 from kvdir.agent.gpu_pool import GpuTier, GpuTierError
 from kvdir.agent.metrics import AgentMetrics
@@ -64,6 +67,8 @@ class AgentDaemon:
         except SecurityConfigError as e:
             raise AgentStartError(str(e)) from e
         self.directory = DirectoryClient(list(cfg.directory), timeout_s=5.0, security=self.security)
+        self.mirror: MirrorReads | None = None
+        """The directory mirror (directory_mirror on), set and started by `start`."""
         self.ingests: list[Any] = []
         """EngineIngest of each [[engines]] entry (imported only then: pyzmq, cbor2)."""
         self._servers: list[grpc.Server] = []
@@ -164,7 +169,7 @@ class AgentDaemon:
         )
         self.fetcher = Fetcher(
             cfg.node_id,
-            self.directory,
+            self._directory_reads(),
             PeerCache(self.engine, cfg.node_id, self.security),
             timeout_s=cfg.fetch_timeout_ms / 1000,
             host=cfg.host,
@@ -183,6 +188,15 @@ class AgentDaemon:
                 "transports": self.engine.names,
             },
         )
+
+    def _directory_reads(self) -> DirectoryReads:
+        """The mirror in front of the client (its stream started), or the client alone."""
+        self.mirror = mirror_reads(self.cfg, self.directory, self.security)
+        if self.mirror is None:
+            return self.directory
+        self.mirror.start()
+        self.metrics.bind_mirror(self.mirror)
+        return self.mirror
 
     def _attach_gpu_tier(self, state: PoolState, device: int) -> None:
         """Give a TIER_GPU pool its device slots, exported through the cuda transport.
@@ -271,6 +285,8 @@ class AgentDaemon:
             ingest.stop(deregister=deregister)
         for s in self._servers:
             s.stop(1.0).wait(2.0)
+        if self.mirror is not None:
+            self.mirror.stop()
         if self.publisher is not None:
             self.publisher.stop(deregister=deregister)
         if self.fetcher is not None:

@@ -1,6 +1,8 @@
 """The fetch path: find a holder, pull its blocks into our slots, validate.
 
-1. Directory lookup of the chain (local read), excluding ourselves.
+1. Directory lookup of the chain (local read), excluding ourselves: from the
+   agent's in-process mirror while it is fresh, else a replica
+   (agent/directory_reads.py).
 2. Holder choice (agent/holders.py): longest prefix, then the cheapest path
    (same-host GPU over CUDA IPC, remote GPU (unverified, behind a flag), the
    holder's host copy), then same host, then random; peers that failed
@@ -30,9 +32,10 @@ import grpc
 import numpy as np
 
 from kvdir.agent import holders
+from kvdir.agent.directory_reads import DirectoryReads
 from kvdir.agent.gpu_pool import GpuTier, slot_of
 from kvdir.agent.pool import HEADER_BYTES, KvPool, valid_prefix
-from kvdir.core.client import DirectoryClient, DirectoryError, records
+from kvdir.core.client import DirectoryError, records
 from kvdir.core.security import PLAIN, ClientSecurity
 from kvdir.core.wire import AGENT_WIRE_VERSION, BadNamespace, namespace_key
 from kvdir.transfer.base import Channel, Read, TransferError
@@ -169,7 +172,7 @@ class Fetcher:
     def __init__(
         self,
         node_id: str,
-        directory: DirectoryClient,
+        directory: DirectoryReads,
         peers: PeerCache,
         rng: random.Random | None = None,
         timeout_s: float = 5.0,
@@ -211,6 +214,12 @@ class Fetcher:
             raise FetchError("destination slots repeat")
         t0 = time.perf_counter()
         deadline = t0 + (timeout_s or self.timeout_s)
+        # The answer may come from a mirror up to directory_mirror_staleness_ms behind
+        # (or a lagging follower): it can name a holder whose slot has been evicted or
+        # reused since. That costs a miss only: `_pull` reads the holder's slot headers
+        # *after* the data and `valid_prefix` keeps a block only if its header is still
+        # STORED with this hash and the generation the answer carries; a reused slot
+        # has a newer generation, so its bytes are never reported valid.
         try:
             resp = self.directory.lookup(ns, chain, exclude_node=self.node_id, max_nodes=8)
         except DirectoryError as e:

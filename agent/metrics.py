@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvdir.transfer.rdma_support import RdmaErrors
+
+if TYPE_CHECKING:
+    from kvdir.agent.directory_reads import MirrorReads
 
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -33,6 +37,42 @@ class RdmaErrorsCollector(Collector):
         for (kind, status), n in sorted(self.errors.snapshot().items()):
             fam.add_metric([kind, status], n)
         yield fam
+
+
+class MirrorCollector(Collector):
+    """kvdir_agent_mirror_*: the directory mirror's position, lag and who answered.
+
+    Read at scrape time from the mirror (one `lag()` per scrape). Registered
+    only when `directory_mirror` is on: an agent without a mirror has none of
+    these series rather than a mirror that looks stale. `lookups{source}`
+    is named and typed as the gateway's kvdir_gateway_mirror_lookups."""
+
+    def __init__(self, reads: MirrorReads) -> None:
+        self.reads = reads
+
+    def collect(self) -> Iterator[Metric]:
+        lag = self.reads.lag()
+        lookups = GaugeMetricFamily(
+            "kvdir_agent_mirror_lookups",
+            "Directory lookups so far (fetch path and engine Lookup), by who answered: the "
+            "in-process mirror, or the RPC path while the mirror was stale",
+            labels=["source"],
+        )
+        lookups.add_metric(["mirror"], self.reads.served)
+        lookups.add_metric(["rpc"], self.reads.fallbacks)
+        yield lookups
+        m, sync = self.reads.mirror, self.reads.sync
+        for name, doc, value in (
+            ("applied_index", "Last directory log index the mirror applied", lag.applied_index),
+            ("commit_index", "The leader's commit index as last heard", lag.commit_index),
+            ("lag_entries", "Committed entries not yet applied by the mirror", lag.entries),
+            ("lag_seconds", "How long the oldest unapplied commit has waited", lag.ms / 1000),
+            ("silent_seconds", "Since the stream last sent anything", lag.silent_ms / 1000),
+            ("fresh", "1 while the mirror answers lookups; 0: they go over gRPC", lag.fresh),
+            ("snapshots", "Snapshots the mirror loaded (its first, and resyncs)", m.snapshots),
+            ("streams", "Watch streams opened (the first, and each resume)", sync.streams),
+        ):
+            yield GaugeMetricFamily(f"kvdir_agent_mirror_{name}", doc, value=float(value))
 
 
 class AgentMetrics:
@@ -116,3 +156,6 @@ class AgentMetrics:
         self.published.set_function(published)
         self.publish_failures.set_function(failures)
         self.publish_seconds.set_function(publish_seconds)
+
+    def bind_mirror(self, reads: MirrorReads) -> None:
+        self.registry.register(MirrorCollector(reads))

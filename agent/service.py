@@ -378,6 +378,8 @@ class EngineService(apb_grpc.EngineServicer):
         state.touch(local)
         resp = apb.EngineLookupResponse(local_blocks=len(local), local_slots=local)
         if chain:
+            # The fetcher's directory reads: the agent's mirror while it is fresh, so
+            # the connector's scheduler side costs one local RPC and no directory load.
             try:
                 found = self.core.fetcher.directory.lookup(
                     request.namespace, chain, exclude_node=self.core.node_id, omit_records=True

@@ -1,0 +1,102 @@
+"""The agent's directory reads: an in-process mirror, the RPC path as fallback.
+
+Two users read the directory through the agent: the fetch path (who holds
+this chain, with records, before a pull) and the engine's `Lookup` (which
+peers hold more than we do; the vLLM connector's scheduler side asks it for
+every waiting request). With `directory_mirror` on (the default) both read a
+`Mirror` kept fed by one Watch stream (kvdir/core/mirror.py,
+kvdir/core/mirror_sync.py) through `MirroredDirectory`: in process while the
+mirror is fresh, over gRPC while it is stale (before its first snapshot,
+behind by more than `directory_mirror_staleness_ms`, or cut off from every
+replica). The stream is filtered to the namespaces of the agent's pools: the
+only ones either user asks about.
+
+Why a stale answer is safe here: it can only name a holder that no longer
+has the block (or miss one that has it since). The fetch path validates
+every block it reads against the holder's slot header (STORED, the hash,
+the generation the directory published) after the data, so such an answer
+ends the valid prefix early: a miss, never wrong KV (agent/fetcher.py).
+`Lookup` only reports peers; what the engine then asks to fetch goes through
+that same validation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from kvdir.agent.config import AgentConfig
+from kvdir.core.client import DirectoryClient
+from kvdir.core.mirror import Lag, Mirror, MirroredDirectory
+from kvdir.core.mirror_sync import MirrorSync
+from kvdir.core.security import ClientSecurity
+from kvdir.v1 import directory_pb2 as pb
+
+
+class DirectoryReads(Protocol):
+    """The one read the agent makes: `DirectoryClient.lookup`'s local read."""
+
+    def lookup(
+        self,
+        ns: pb.Namespace,
+        chain: Sequence[bytes],
+        max_nodes: int = 0,
+        exclude_node: str = "",
+        *,
+        omit_records: bool = False,
+    ) -> pb.LookupResponse: ...
+
+
+class MirrorReads:
+    """`MirroredDirectory` with its stream, and counts of who answered."""
+
+    def __init__(self, client: DirectoryClient, mirror: Mirror, sync: MirrorSync) -> None:
+        self.mirror = mirror
+        self.sync = sync
+        self._reads = MirroredDirectory(mirror, client)
+        self.lookups = 0
+
+    @property
+    def fallbacks(self) -> int:
+        """Lookups the RPC path answered (or failed) because the mirror was stale."""
+        return self._reads.fallbacks
+
+    @property
+    def served(self) -> int:
+        """Lookups the mirror answered in process."""
+        return self.lookups - self._reads.fallbacks
+
+    def lag(self) -> Lag:
+        return self.mirror.lag()
+
+    def start(self) -> None:
+        self.sync.start()
+
+    def stop(self) -> None:
+        self.sync.stop()
+
+    def lookup(
+        self,
+        ns: pb.Namespace,
+        chain: Sequence[bytes],
+        max_nodes: int = 0,
+        exclude_node: str = "",
+        *,
+        omit_records: bool = False,
+    ) -> pb.LookupResponse:
+        """As `DirectoryClient.lookup` (local read); `read.replica_id` is
+        "mirror:<replica>" when the mirror answered."""
+        self.lookups += 1  # counts only: a lost update under threads skews a metric
+        return self._reads.lookup(ns, chain, max_nodes, exclude_node, omit_records)
+
+
+def mirror_reads(
+    cfg: AgentConfig, client: DirectoryClient, security: ClientSecurity
+) -> MirrorReads | None:
+    """The agent's mirror (not started), or None when `directory_mirror` is off."""
+    if not cfg.directory_mirror:
+        return None
+    namespaces = [p.namespace() for p in cfg.pools]
+    mirror = Mirror(max_staleness_s=cfg.directory_mirror_staleness_ms / 1000, namespaces=namespaces)
+    sync = MirrorSync(mirror, cfg.directory, security, namespaces)
+    return MirrorReads(client, mirror, sync)
