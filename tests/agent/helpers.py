@@ -29,6 +29,11 @@ POOL_SPEC = f"model={MODEL},block_tokens={BLOCK_TOKENS},slot_bytes={SLOT_BYTES},
 WAIT_S = 30.0
 """Deadline of waits that finish in well under a second when things work."""
 
+SERVED = 'kvdir_agent_mirror_lookups{source="mirror"}'
+FALLBACK = 'kvdir_agent_mirror_lookups{source="rpc"}'
+FRESH = "kvdir_agent_mirror_fresh"
+"""An agent's directory mirror: lookups it answered, lookups a replica answered, fresh."""
+
 
 def chain_of(salt: int, n: int) -> list[bytes]:
     """A block chain of `n` blocks no other test uses."""
@@ -102,9 +107,12 @@ def wait_prefix(
     node: str,
     blocks: int,
     timeout_s: float = WAIT_S,
+    readers: Sequence[EngineClient] = (),
 ) -> None:
     """Wait until every replica answers `node` holds exactly `blocks` leading blocks
-    (0: `node` is absent), so whichever replica a reader asks agrees."""
+    (0: `node` is absent), so whichever replica a reader asks agrees; then until
+    each of `readers` (agents about to fetch) sees the same: an agent reads its
+    in-process mirror of the directory, which follows a replica by a few ms."""
 
     seen: list[int] = []
 
@@ -116,6 +124,30 @@ def wait_prefix(
         wait_for(agreed, timeout_s, f"{node} to hold {blocks} blocks on every replica", 0.05)
     except ClusterError as e:
         raise ClusterError(f"{e} (the replicas last said {seen})") from None
+    for engine in readers:
+        wait_seen(engine, chain, node, blocks, timeout_s)
+
+
+def seen_by(engine: EngineClient, chain: list[bytes]) -> dict[str, int]:
+    """Peer -> prefix blocks of `chain`, as the engine's agent answers its Lookup."""
+    return {p.node_id: p.prefix_blocks for p in engine.lookup(NS, chain).peers}
+
+
+def wait_seen(
+    engine: EngineClient, chain: list[bytes], node: str, blocks: int, timeout_s: float = WAIT_S
+) -> None:
+    """Wait until the engine's agent says peer `node` holds `blocks` leading blocks
+    (0: absent), whichever way it reads the directory (its mirror, or a replica)."""
+    last: list[dict[str, int]] = [{}]
+
+    def agreed() -> bool:
+        last[0] = seen_by(engine, chain)
+        return last[0].get(node, 0) == blocks
+
+    try:
+        wait_for(agreed, timeout_s, f"the agent to see {node} hold {blocks} blocks", 0.02)
+    except ClusterError as e:
+        raise ClusterError(f"{e} (it last said {last[0]})") from None
 
 
 def node_info(c: DirectoryClient, node: str) -> tuple[int, int] | None:

@@ -231,7 +231,7 @@ def test_a_tcp_reader_is_held_to_its_grant(
             while raw.recv(4096):
                 pass
 
-    wait_prefix(agent_cluster, directory, chain, "a", 2)
+    wait_prefix(agent_cluster, directory, chain, "a", 2, readers=[trio.b])
     dst_slots = trio.b.allocate(NS, 2).slots
     r = trio.b.fetch(NS, chain, dst_slots)
     assert (r.valid_blocks, r.transport) == (2, "tcp")
@@ -245,7 +245,7 @@ def _still_serves(
 ) -> None:
     chain = chain_of(salt, 3)
     slots, payload = store_chain(trio.a, chain, seed=salt)
-    wait_prefix(agent_cluster, directory, chain, "a", 3)
+    wait_prefix(agent_cluster, directory, chain, "a", 3, readers=[trio.b, trio.c])
     for reader in ("b", "c"):
         e = trio.engines[reader]
         dst = e.allocate(NS, 3).slots

@@ -110,7 +110,7 @@ def test_without_a_race_every_block_is_valid(
 ) -> None:
     chain = chain_of(100 + (reader.transport == "shm"), BLOCKS)
     _, payload = store_chain(trio.a, chain, seed=100)
-    wait_prefix(agent_cluster, directory, chain, "a", BLOCKS)
+    wait_prefix(agent_cluster, directory, chain, "a", BLOCKS, readers=[reader.engine])
     dst = reader.engine.allocate(NS, BLOCKS).slots
     fired = _hook(reader, lambda: None)
     try:
@@ -144,7 +144,7 @@ def test_an_eviction_during_the_fetch_ends_the_valid_prefix(
     salt = 200 + 10 * j + 2 * restore + (reader.transport == "shm")
     chain = chain_of(salt, BLOCKS)
     slots, payload = store_chain(trio.a, chain, seed=salt)
-    wait_prefix(agent_cluster, directory, chain, "a", BLOCKS)
+    wait_prefix(agent_cluster, directory, chain, "a", BLOCKS, readers=[reader.engine])
     holder_pool = trio.a.pools[namespace_key(NS)].pool
     victim = slots[j]
     published_gen = holder_pool.header(victim).generation
@@ -177,7 +177,9 @@ def test_an_eviction_during_the_fetch_ends_the_valid_prefix(
     assert got[:j] == payload[:j]  # every block claimed valid is the holder's block
     # The directory follows the eviction: a later fetch no longer offers block j.
     trio.a.flush()
-    wait_prefix(agent_cluster, directory, chain, "a", BLOCKS if restore else j)
+    wait_prefix(
+        agent_cluster, directory, chain, "a", BLOCKS if restore else j, readers=[reader.engine]
+    )
     if restore:
         # Re-stored under a new generation: the new bytes are what a fetch now gets.
         again = reader.engine.fetch(NS, chain, dst)

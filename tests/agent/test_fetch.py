@@ -20,7 +20,7 @@ def test_peers_fetch_byte_identical_blocks_over_tcp_and_shm(
 ) -> None:
     chain = chain_of(1, 12)
     slots, payload = store_chain(trio.a, chain, seed=1)
-    wait_prefix(agent_cluster, directory, chain, "a", 12)
+    wait_prefix(agent_cluster, directory, chain, "a", 12, readers=[trio.b, trio.c])
 
     local = trio.a.lookup(NS, chain)
     assert (local.local_blocks, list(local.local_slots)) == (12, slots)
@@ -46,7 +46,7 @@ def test_a_holder_of_a_partial_prefix_gives_exactly_that_prefix(
 ) -> None:
     chain = chain_of(10 + k, 8)
     _, payload = store_chain(trio.a, chain[:k], seed=2)
-    wait_prefix(agent_cluster, directory, chain, "a", k)
+    wait_prefix(agent_cluster, directory, chain, "a", k, readers=[trio.b, trio.c])
     for reader, transport in READERS:
         engine = trio.engines[reader]
         dst = engine.allocate(NS, len(chain)).slots
@@ -64,8 +64,8 @@ def test_the_longest_holder_wins_and_a_miss_is_empty(
     chain = chain_of(20, 6)
     _, short = store_chain(trio.a, chain[:2], seed=3)
     _, full = store_chain(trio.c, chain, seed=4)
-    wait_prefix(agent_cluster, directory, chain, "a", 2)
-    wait_prefix(agent_cluster, directory, chain, "c", 6)
+    wait_prefix(agent_cluster, directory, chain, "a", 2, readers=[trio.b])
+    wait_prefix(agent_cluster, directory, chain, "c", 6, readers=[trio.b])
     dst = trio.b.allocate(NS, 6).slots
     r = trio.b.fetch(NS, chain, dst)
     assert (r.valid_blocks, r.source_node, r.transport) == (6, "c", "tcp")
@@ -89,7 +89,7 @@ def test_removed_and_freed_blocks_leave_the_directory(
     trio.a.flush()
     wait_prefix(agent_cluster, directory, chain, "a", 2)
     trio.a.free(NS, slots[:2])  # freed: nothing of the chain is left
-    wait_prefix(agent_cluster, directory, chain, "a", 0)
+    wait_prefix(agent_cluster, directory, chain, "a", 0, readers=[trio.c])
     dst = trio.c.allocate(NS, 4).slots
     assert trio.c.fetch(NS, chain, dst).valid_blocks == 0
     trio.c.free(NS, dst)

@@ -76,7 +76,7 @@ def test_a_restarted_agent_republishes_its_pool_under_a_new_incarnation(
         return info is not None and info[0] > old_incarnation and info[1] == 10
 
     wait_for(new_incarnation_listed, WAIT_S, f"{node} to re-register and re-publish", 0.05)
-    wait_prefix(agent_cluster, directory, chain, node, 10)
+    wait_prefix(agent_cluster, directory, chain, node, 10, readers=[trio.b])
     assert os.stat(pool_file).st_ino == inode  # re-attached, not recreated
 
     # The restarted agent rebuilt its index from the pool headers...

@@ -39,7 +39,7 @@ def test_fetch_and_validation_metrics_follow_the_traffic(
 
     chain = chain_of(600, 4)
     slots, _ = store_chain(trio.a, chain, seed=600)
-    wait_prefix(agent_cluster, directory, chain, "a", 4)
+    wait_prefix(agent_cluster, directory, chain, "a", 4, readers=[trio.b, trio.c])
     a_addr = trio.agents["a"].metrics_address
     wait_for(lambda: scrape(a_addr)[QUEUE] == 0, WAIT_S, "a's publish queue to drain")
 

@@ -20,15 +20,19 @@ import pytest
 from kvdir.agent.engine_client import EngineClient
 from kvdir.core.client import DirectoryClient
 from kvdir.core.security import ClientSecurity
-from kvdir.local import LocalAgent, LocalCluster
+from kvdir.local import LocalAgent, LocalCluster, wait_for
 from kvdir.v1 import agent_pb2 as apb
 from kvdir.v1 import agent_pb2_grpc as apb_grpc
 from tests.agent.helpers import (
+    FRESH,
     NS,
     POOL_SPEC,
+    SERVED,
     SLOT_BYTES,
+    WAIT_S,
     chain_of,
     launch_all,
+    scrape,
     slot_bytes,
     stop_all,
     store_chain,
@@ -102,12 +106,16 @@ def test_secure_agents_fetch_real_bytes_over_mtls(
         with DirectoryClient(
             secure_cluster.grpc_addresses, security=pki.leaves["admin"].client()
         ) as c:
-            wait_prefix(secure_cluster, c, chain, "node-a", len(chain))
+            wait_prefix(secure_cluster, c, chain, "node-a", len(chain), readers=[b])
         dst = b.allocate(NS, len(chain)).slots
+        metrics = agents["node-b"].metrics_address
+        wait_for(lambda: scrape(metrics)[FRESH] == 1, WAIT_S, "node-b's mirror over mTLS")
+        served = scrape(metrics)[SERVED]
         r = b.fetch(NS, chain, dst)
         assert (r.valid_blocks, r.source_node, r.transport) == (len(chain), "node-a", "tcp")
         assert r.bytes == len(chain) * SLOT_BYTES
         assert [slot_bytes(b, s) for s in dst] == payload
+        assert scrape(metrics)[SERVED] == served + 1  # its Watch stream runs over mTLS
     finally:
         a.close()
         b.close()

@@ -100,7 +100,9 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
 def test_b_fetches_a_prefix_from_a_over_rdma(world: World) -> None:
     chain = chain_of(1, BLOCKS)
     _, payload = store_chain(world.a, chain, seed=1)
-    wait_prefix(world.cluster, world.directory, chain, "a", BLOCKS, timeout_s=SLOW_S)
+    wait_prefix(
+        world.cluster, world.directory, chain, "a", BLOCKS, timeout_s=SLOW_S, readers=[world.b]
+    )
     # The directory publishes A's real memory registration (its MR's rkey).
     match = next(m for m in world.directory.lookup(NS, chain).matches if m.node_id == "a")
     assert "rdma" in match.transports
@@ -124,7 +126,9 @@ def test_an_eviction_racing_the_fetch_is_detected(world: World) -> None:
     j = 2
     chain = chain_of(2, BLOCKS)
     slots, payload = store_chain(world.a, chain, seed=2)
-    wait_prefix(world.cluster, world.directory, chain, "a", BLOCKS, timeout_s=SLOW_S)
+    wait_prefix(
+        world.cluster, world.directory, chain, "a", BLOCKS, timeout_s=SLOW_S, readers=[world.b]
+    )
     victim = slots[j]
     fired: list[int] = []
 
