@@ -353,3 +353,40 @@ class LocalAgent:
 
     def stop(self) -> None:
         self.kill(signal.SIGTERM)
+
+
+def wait_agent_sees(
+    engine_socket: str,
+    ns: pb.Namespace,
+    chain: list[bytes],
+    node: str,
+    blocks: int,
+    timeout_s: float = 60.0,
+) -> None:
+    """Wait until the agent at `engine_socket` answers its engine's Lookup with peer
+    `node` holding at least `blocks` leading blocks of `chain`.
+
+    An agent reads the directory through its own mirror, which follows the replicas
+    by a few ms (more on a loaded host): a replica saying a block is held does not
+    yet mean every agent's next lookup will. Callers about to make an engine load
+    wait on this, not only on the replicas.
+    """
+    from kvdir.agent.engine_client import EngineClient, EngineError
+
+    last: list[dict[str, int]] = [{}]
+    client = EngineClient(engine_socket, timeout_s=5.0)
+
+    def seen() -> bool:
+        try:
+            resp = client.lookup(ns, chain)
+        except EngineError:
+            return False
+        last[0] = {p.node_id: p.prefix_blocks for p in resp.peers}
+        return last[0].get(node, 0) >= blocks
+
+    try:
+        wait_for(seen, timeout_s, f"the agent at {engine_socket} to see {node} hold {blocks}", 0.02)
+    except ClusterError as e:
+        raise ClusterError(f"{e} (it last said {last[0]})") from None
+    finally:
+        client.close()

@@ -23,7 +23,7 @@ from bench.vllm.nodes import LOAD_TIMEOUT_MS, Nodes
 from kvdir.agent.engine_client import EngineClient
 from kvdir.core.client import namespace
 from kvdir.core.hashing import vllm_block_digests
-from kvdir.local import wait_for
+from kvdir.local import wait_agent_sees, wait_for
 from kvdir.v1 import directory_pb2 as pb
 from tests.vllm.helpers import prompt
 
@@ -115,6 +115,8 @@ def measure(nodes: Nodes, shape: Shape, tokens: int, turn_tokens: int, seed: int
     saving = _one(e["a"], p)
     plain = _one(e["n"], q)
     _wait_held(nodes, ns, chain, "a")
+    for reader in ("b", "c"):  # each agent reads its own mirror of the directory
+        wait_agent_sees(nodes.agents[reader].engine_socket, ns, chain, "a", len(chain))
     bare = {
         "tcp": bare_fetch(nodes.agents["b"].engine_socket, ns, chain),
         "shm": bare_fetch(nodes.agents["c"].engine_socket, ns, chain),

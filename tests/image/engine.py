@@ -17,15 +17,18 @@ from __future__ import annotations
 import json
 import random
 import sys
+import time
 from typing import Any
 
 from kvdir.agent.engine_client import EngineClient
 from kvdir.core.client import namespace
 from kvdir.core.hashing import block_chain
+from kvdir.v1 import agent_pb2 as apb
 from kvdir.v1 import directory_pb2 as pb
 
 SOCKET = "/run/kvdir/agent.sock"
 TIMEOUT_S = 30.0
+POLL_S = 0.02
 
 
 def chain(block_tokens: int, blocks: int, seed: int) -> list[bytes]:
@@ -46,8 +49,22 @@ def store(engine: EngineClient, ns: pb.Namespace, hashes: list[bytes], seed: int
     return {"slots": list(slots)}
 
 
+def seen(engine: EngineClient, ns: pb.Namespace, hashes: list[bytes]) -> apb.EngineLookupResponse:
+    """The agent's Lookup, once some peer holds the whole chain in it (or after
+    TIMEOUT_S): the agent reads its own mirror of the directory, which follows the
+    replicas the host already asked by a few ms."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while True:
+        found = engine.lookup(ns, hashes)
+        if any(p.prefix_blocks == len(hashes) for p in found.peers):
+            return found
+        if time.monotonic() >= deadline:
+            return found
+        time.sleep(POLL_S)
+
+
 def fetch(engine: EngineClient, ns: pb.Namespace, hashes: list[bytes], seed: int) -> dict[str, Any]:
-    found = engine.lookup(ns, hashes)
+    found = seen(engine, ns, hashes)
     out: dict[str, Any] = {
         "local_blocks": found.local_blocks,
         "peers": {p.node_id: p.prefix_blocks for p in found.peers},

@@ -24,7 +24,7 @@ import pytest
 from kvdir.agent.config import AgentConfig, PoolConfig
 from kvdir.agent.daemon import AgentDaemon
 from kvdir.agent.engine_client import EngineClient
-from kvdir.local import LOOPBACK, LocalAgent, LocalCluster, free_ports
+from kvdir.local import LOOPBACK, LocalAgent, LocalCluster, free_ports, wait_agent_sees
 from tests.vllm.conftest import POOL_SLOTS, start_agent, start_engines
 from tests.vllm.engines import Engine
 from tests.vllm.helpers import NS, held, keys, metric, prompt, wait_held
@@ -133,6 +133,8 @@ def a_computes(pair: Pair, seed: int, salt: str | None = None) -> tuple[list[int
     p = prompt(seed, PROMPT_TOKENS)
     assert out(pair.engines["a"], p, max_tokens=4, cache_salt=salt)["cached"] == 0
     wait_held(pair.cluster, p, "a", PROMPT_TOKENS // BLOCK_TOKENS, salt)
+    socket_b = pair.daemon_b.cfg.engine_socket  # B's agent reads its own mirror
+    wait_agent_sees(socket_b, NS, keys(p, salt), "a", PROMPT_TOKENS // BLOCK_TOKENS)
     return p, p + prompt(seed + 1, TURN_TOKENS)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from kvdir.core.hashing import vllm_hash_fn, vllm_none_hash
-from kvdir.local import ClusterError, LocalAgent, LocalCluster, wait_for
+from kvdir.local import ClusterError, LocalAgent, LocalCluster, wait_agent_sees, wait_for
 from tests.vllm.conftest import start_agent
 from tests.vllm.engines import Engine, connector_config
 from tests.vllm.helpers import NS, WAIT_S, metric, prompt
@@ -55,6 +55,7 @@ class Nodes:
     cluster: LocalCluster
     lora_dir: str
     engines: dict[str, Engine]
+    agents: dict[str, LocalAgent]
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,7 @@ def nodes(
             engines[name].launch()  # both start at once
         for e in engines.values():
             e.wait_ready()
-        yield Nodes(cluster, lora_dir, engines)
+        yield Nodes(cluster, lora_dir, engines, agents)
     finally:
         for e in engines.values():
             e.stop()
@@ -163,6 +164,7 @@ def test_two_lora_names_never_share_a_block(nodes: Nodes) -> None:
     assert ref_a["tokens"] != other["tokens"]
 
     ext1, loaded1, _ = counters(b)
+    wait_agent_sees(nodes.agents["b"].engine_socket, NS, under_a, "a", BLOCKS)  # its mirror
     same = out(b, p, "a")
     ext2, loaded2, _ = counters(b)
     assert same["cached"] == FULL

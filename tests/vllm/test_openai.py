@@ -21,7 +21,14 @@ import pytest
 
 from kvdir.core.client import namespace
 from kvdir.core.hashing import vllm_block_digests
-from kvdir.local import ClusterError, LocalAgent, LocalCluster, free_ports, wait_for
+from kvdir.local import (
+    ClusterError,
+    LocalAgent,
+    LocalCluster,
+    free_ports,
+    wait_agent_sees,
+    wait_for,
+)
 from kvdir.replay.vllm_serve import (
     BLOCK_TOKENS,
     CHAT_TEMPLATE,
@@ -141,6 +148,9 @@ def _wait_held(stack: Stack, tokens: list[int], node: str) -> None:
         return any(m.node_id == node and m.prefix_blocks >= len(chain) for m in resp.matches)
 
     wait_for(held, HELD_WAIT_S, f"{node} to hold the turn's {len(chain)} blocks", 0.1)
+    for name, server in stack.servers.items():  # each agent reads its own mirror
+        if name != node:
+            wait_agent_sees(server.agent_socket, ns, chain, node, len(chain), HELD_WAIT_S)
 
 
 def _ask(client: Any, model: str, messages: list[dict[str, str]], **extra: Any) -> Any:
