@@ -14,15 +14,16 @@ an engine on that node would. It prints one JSON object.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import sys
-import time
 from typing import Any
 
 from kvdir.agent.engine_client import EngineClient
 from kvdir.core.client import namespace
 from kvdir.core.hashing import block_chain
+from kvdir.local import ClusterError, wait_for
 from kvdir.v1 import agent_pb2 as apb
 from kvdir.v1 import directory_pb2 as pb
 
@@ -53,14 +54,15 @@ def seen(engine: EngineClient, ns: pb.Namespace, hashes: list[bytes]) -> apb.Eng
     """The agent's Lookup, once some peer holds the whole chain in it (or after
     TIMEOUT_S): the agent reads its own mirror of the directory, which follows the
     replicas the host already asked by a few ms."""
-    deadline = time.monotonic() + TIMEOUT_S
-    while True:
-        found = engine.lookup(ns, hashes)
-        if any(p.prefix_blocks == len(hashes) for p in found.peers):
-            return found
-        if time.monotonic() >= deadline:
-            return found
-        time.sleep(POLL_S)
+    last = [engine.lookup(ns, hashes)]
+
+    def whole() -> bool:
+        last[0] = engine.lookup(ns, hashes)
+        return any(p.prefix_blocks == len(hashes) for p in last[0].peers)
+
+    with contextlib.suppress(ClusterError):  # the caller's assertions say what was seen
+        wait_for(whole, TIMEOUT_S, "a peer holding the whole chain", POLL_S)
+    return last[0]
 
 
 def fetch(engine: EngineClient, ns: pb.Namespace, hashes: list[bytes], seed: int) -> dict[str, Any]:
