@@ -16,11 +16,10 @@ that leaves this module refers to a column's memory.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import repeat
-from operator import itemgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -52,13 +51,15 @@ class Chain:
     are materialised as Python bytes for a dict probe.
     """
 
-    __slots__ = ("_items", "data", "n", "width")
+    __slots__ = ("_fpb", "_fpn", "_items", "data", "n", "width")
 
     def __init__(self, data: bytes, width: int, items: list[bytes] | None = None) -> None:
         self.data = data
         self.width = width
         self.n = len(items) if items is not None else (len(data) // width if width else 0)
         self._items = items
+        self._fpb: bytes | None = None
+        self._fpn: Any = None
 
     @classmethod
     def of(cls, hashes: Sequence[bytes]) -> Chain:
@@ -96,9 +97,23 @@ class Chain:
         out[:, :k] = raw[:, :k]
         return out.view(">u8").ravel()
 
+    def fingerprints_native(self) -> Any:
+        """`fingerprints` as native-endian u64 (the memory form of `Columns.fp`), cached."""
+        if self._fpn is None:
+            self._fpn = self.fingerprints().astype(np.uint64)
+        return self._fpn
+
+    def fingerprint_bytes(self) -> bytes:
+        """The bytes of `fingerprints_native`: a stretch of `Columns.fp` holds the same
+        bytes exactly when it holds the same fingerprints."""
+        if self._fpb is None:
+            self._fpb = self.fingerprints_native().tobytes()
+        return self._fpb
+
 
 class _V:
-    """Numpy views of the columns, made on first use (each costs ~1 us)."""
+    """Numpy views of the columns, each made on first use (~1 us each) and all
+    dropped when the `with` block ends (`_views`)."""
 
     _DTYPES = {
         "addr": np.uint64,
@@ -117,6 +132,7 @@ class _V:
 
     def __init__(self, c: Columns) -> None:
         self._c = c
+        self._made: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
         dtype = _V._DTYPES.get(name)
@@ -124,29 +140,32 @@ class _V:
             raise AttributeError(name)
         view = np.frombuffer(getattr(self._c, name), dtype)
         setattr(self, name, view)
+        self._made.append(name)
         return view
 
-    def release(self) -> None:
-        for name in _V._DTYPES:
-            self.__dict__.pop(name, None)
+    def __enter__(self) -> _V:
+        return self
 
-
-@contextmanager
-def _views(c: Columns) -> Iterator[_V]:
-    v = _V(c)
-    try:
-        yield v
-    finally:
+    def __exit__(self, *exc: object) -> None:
         # Drop the exports now, even when unwinding: a traceback that kept a
         # view alive would make the next append in `apply` fail.
-        v.release()
+        d = self.__dict__
+        for name in self._made:
+            del d[name]
+        self._made.clear()
+
+
+def _views(c: Columns) -> _V:
+    """`with _views(c) as v:` numpy views of `c`'s columns for this block only (a
+    class, not a generator context manager: this runs on every lookup)."""
+    return _V(c)
 
 
 def longest_prefixes(
     table: Table, namespace: str, chain: Chain, exclude: int
 ) -> list[tuple[int, Any]]:
-    """(node index, slots of its contiguous prefix as an int64 array) for every holder
-    of block 0."""
+    """(node index, slots of its contiguous prefix) for every holder of block 0: a
+    `range` when the prefix is one run of consecutive slots, else an int64 array."""
     ns = table.ns_ids.get(namespace)
     if ns is None or not len(chain):
         return []
@@ -159,7 +178,7 @@ def longest_prefixes(
         # Only the holders of block 0 can hold a prefix: follow each one's runs.
         starts = _holder_starts(c, s0, exclude)
         with _views(c) as v:
-            return [(n, _follow_runs(v, blocks, c.key, chain, ns, s)) for n, s in starts]
+            return [(n, _follow_runs(v, blocks, c, chain, ns, s)) for n, s in starts]
     n = len(chain)
     h = np.fromiter(map(blocks.get, chain.items(), repeat(NIL, n)), np.int64, n)
     gaps = np.flatnonzero(h == NIL)
@@ -184,39 +203,31 @@ def _holder_starts(c: Columns, head: int, exclude: int) -> list[tuple[int, int]]
 
 
 def _follow_runs(
-    v: _V, blocks: dict[bytes, int], keys: list[bytes | None], chain: Chain, ns: int, s0: int
+    v: _V, blocks: dict[bytes, int], c: Columns, chain: Chain, ns: int, s0: int
 ) -> Any:
     """Prefix of node(s0), a holder of block 0: follow runs of consecutive slots.
 
     A holder that published a chain in one batch stored it in consecutive
-    slots, so slot s+1 usually holds block i+1: one vectorised comparison
-    (fingerprint, key width, namespace, node) accepts a whole run without a
-    dict probe per block. Where a run breaks, one dict probe finds the node's
-    slot for that block and a new run starts there; a block the node does not
-    hold ends the prefix. Blocks the node holds in two tiers (`dual`) are
-    re-resolved through their holder chain so the node's best tier wins.
+    slots, so slot s+1 usually holds block i+1: one comparison per run accepts
+    it without a dict probe per block (`_run`). Where a run breaks, one dict
+    probe finds the node's slot for that block and a new run starts there; a
+    block the node does not hold ends the prefix. Blocks the node holds in two
+    tiers (`dual`) are re-resolved through their holder chain so the node's
+    best tier wins. The usual answer, one clean run, is a `range` (no slot
+    list is built); anything else is an int64 array.
     """
-    fps = chain.fingerprints()
-    n, width, node = len(chain), chain.width, int(v.node[s0])
-    nslots = len(v.fp)
+    n, node = len(chain), c.node[s0]
+    nslots = len(c.key)
     runs: list[Any] = []
     i, s = 0, s0
     while i < n:
-        k = min(n - i, nslots - s)
-        # Consecutive slots: slices (views), not gathers.
-        ok = (
-            (v.fp[s : s + k] == fps[i : i + k])
-            & (v.kw[s : s + k] == width)
-            & (v.ns[s : s + k] == ns)
-            & (v.node[s : s + k] == node)
-        )
-        bad = np.flatnonzero(~ok)
-        run = int(bad[0]) if len(bad) else k
-        if width > 8 and run:
-            run = _same_keys(keys, chain, i, s, run)
-        slots = np.arange(s, s + run, dtype=np.int64)
-        for j in np.flatnonzero(v.dual[s : s + run]).tolist():
-            slots[j] = _best_slot(v, blocks.get(chain.item(i + j), NIL), node)
+        run = _run(v, c, chain, i, s, min(n - i, nslots - s), ns, node)
+        slots: Any = range(s, s + run)
+        if b"\x01" in c.dual[s : s + run].tobytes():
+            patched = np.arange(s, s + run, dtype=np.int64)
+            for j in np.flatnonzero(v.dual[s : s + run]).tolist():
+                patched[j] = _best_slot(v, blocks.get(chain.item(i + j), NIL), node)
+            slots = patched
         runs.append(slots)
         i += run
         if i >= n:
@@ -224,7 +235,9 @@ def _follow_runs(
         s = _best_slot(v, blocks.get(chain.item(i), NIL), node)
         if s == NIL:
             break
-    return runs[0] if len(runs) == 1 else np.concatenate(runs)
+    if len(runs) == 1:
+        return runs[0]
+    return np.concatenate([np.asarray(r, dtype=np.int64) for r in runs])
 
 
 def prefix_lengths(
@@ -244,35 +257,16 @@ def prefix_lengths(
     c = table.col
     starts = _holder_starts(c, s0, exclude)
     with _views(c) as v:
-        fps = chain.fingerprints()
-        return [(n, _run_length(v, blocks, c.key, chain, fps, ns, s)) for n, s in starts]
+        return [(n, _run_length(v, blocks, c, chain, ns, s)) for n, s in starts]
 
 
-def _run_length(
-    v: _V,
-    blocks: dict[bytes, int],
-    keys: list[bytes | None],
-    chain: Chain,
-    fps: Any,
-    ns: int,
-    s0: int,
-) -> int:
+def _run_length(v: _V, blocks: dict[bytes, int], c: Columns, chain: Chain, ns: int, s0: int) -> int:
     """As `_follow_runs`, counting the prefix's blocks instead of listing its slots."""
-    n, width, node = len(chain), chain.width, int(v.node[s0])
-    nslots = len(v.fp)
+    n, node = len(chain), c.node[s0]
+    nslots = len(c.key)
     i, s = 0, s0
     while i < n:
-        k = min(n - i, nslots - s)
-        ok = (
-            (v.fp[s : s + k] == fps[i : i + k])
-            & (v.kw[s : s + k] == width)
-            & (v.ns[s : s + k] == ns)
-            & (v.node[s : s + k] == node)
-        )
-        run = int(ok.argmin()) if not ok.all() else k
-        if width > 8 and run:
-            run = _same_keys(keys, chain, i, s, run)
-        i += run
+        i += _run(v, c, chain, i, s, min(n - i, nslots - s), ns, node)
         if i >= n:
             break
         s = _best_slot(v, blocks.get(chain.item(i), NIL), node)
@@ -281,20 +275,52 @@ def _run_length(
     return i
 
 
+def _run(v: _V, c: Columns, chain: Chain, i: int, s: int, k: int, ns: int, node: int) -> int:
+    """How many of slots s..s+k-1 hold blocks i..i+k-1 for `node` in namespace `ns`.
+
+    Exact: a slot counts when its fingerprint, key width, namespace and node
+    all match, and (hashes wider than 8 bytes) its whole key. The fingerprints
+    are compared first, as bytes when the whole stretch matches (one memcmp)
+    and else as a vector to find where they stop; the other columns are then
+    checked over that run with C-level array compares, and only if one of
+    them differs (which a holder's own run never does) is the exact vector
+    compare over all four columns done to find where.
+    """
+    fpb = chain.fingerprint_bytes()
+    if c.fp[s : s + k].tobytes() == fpb[8 * i : 8 * (i + k)]:
+        run = k
+    else:
+        eq = v.fp[s : s + k] == chain.fingerprints_native()[i : i + k]
+        run = int(eq.argmin())  # eq is not all true here: the bytes differed
+    width = chain.width
+    if run and not (
+        c.node[s : s + run] == array("I", (node,)) * run
+        and c.ns[s : s + run] == array("I", (ns,)) * run
+        and c.kw[s : s + run].tobytes() == bytes((width,)) * run
+    ):
+        ok = (
+            (v.kw[s : s + run] == width) & (v.ns[s : s + run] == ns) & (v.node[s : s + run] == node)
+        )
+        run = int(ok.argmin()) if not ok.all() else run
+    if width > 8 and run:
+        run = _same_keys(c.key, chain, i, s, run)
+    return run
+
+
 def _same_keys(keys: list[bytes | None], chain: Chain, i: int, s: int, run: int) -> int:
     """How many of slots s.. really hold blocks i.. (the fingerprint covers 8 bytes).
 
-    One C-level join and memcmp over the run; a mismatch (two wide hashes that
+    One C-level join and memcmp over the run (its slots are the node's, so
+    none is free and every key is set); a mismatch (two wide hashes that
     share their first 8 bytes) is located block by block, which never happens
     with real digests but keeps the answer exact.
     """
-    stored = itemgetter(*range(s, s + run))(keys)
-    got = b"".join(stored) if run > 1 else (stored or b"")
+    stored = keys[s : s + run]
     w = chain.width
-    if got == chain.data[i * w : (i + run) * w]:
+    if b"".join(stored) == chain.data[i * w : (i + run) * w]:  # type: ignore[arg-type]
         return run
     for j in range(run):
-        if keys[s + j] != chain.item(i + j):
+        if stored[j] != chain.item(i + j):
             return j
     return run
 
@@ -358,19 +384,12 @@ def _multi_holder(v: _V, h: Any, exclude: int) -> list[tuple[int, Any]]:
 
 
 def packed_records(table: Table, slots: Sequence[int]) -> PackedRecords:
+    if isinstance(slots, range) and slots.step == 1:
+        return _packed_run(table.col, slots.start, slots.stop)
     s = np.asarray(slots, dtype=np.int64)
     n = len(s)
     if n and int(s[-1]) - int(s[0]) == n - 1 and (n < 3 or bool((np.diff(s) == 1).all())):
-        # A run of consecutive slots (the usual answer): plain memory copies.
-        a, b = int(s[0]), int(s[0]) + n
-        c = table.col
-        return PackedRecords(
-            _le(c.addr, a, b),
-            _le(c.length, a, b),
-            _le(c.rkey, a, b),
-            _le(c.gen, a, b),
-            c.tier[a:b].tobytes(),
-        )
+        return _packed_run(table.col, int(s[0]), int(s[0]) + n)
     with _views(table.col) as v:
         return PackedRecords(
             v.addr[s].astype("<u8", copy=False).tobytes(),
@@ -379,6 +398,15 @@ def packed_records(table: Table, slots: Sequence[int]) -> PackedRecords:
             v.gen[s].astype("<u8", copy=False).tobytes(),
             v.tier[s].tobytes(),
         )
+
+
+def _packed_run(c: Columns, a: int, b: int) -> PackedRecords:
+    """Records of slots a..b-1 (a run of consecutive slots, the usual answer): plain
+    memory copies."""
+    return PackedRecords(
+        _le(c.addr, a, b), _le(c.length, a, b), _le(c.rkey, a, b), _le(c.gen, a, b),
+        c.tier[a:b].tobytes(),
+    )  # fmt: skip
 
 
 def _le(col: Any, a: int, b: int) -> bytes:

@@ -75,7 +75,8 @@ class Match:
 
     node: NodeState
     slots: Sequence[int] = field(default_factory=list)
-    """Slot of each prefix block (an int64 numpy array from lookups)."""
+    """Slot of each prefix block (from lookups: a `range` for one run of consecutive
+    slots, else an int64 numpy array)."""
 
     @property
     def prefix_blocks(self) -> int:
