@@ -14,6 +14,8 @@ stops loudly instead of misreading a newer log.
 from __future__ import annotations
 
 import struct
+import sys
+from array import array
 from collections.abc import Callable, Sequence
 
 from kvdir.core.wire import HASH_BYTES_MAX
@@ -122,8 +124,13 @@ class _Reader:
             raise CodecError("string is not UTF-8") from e
 
     def column(self, code: str, n: int) -> list[int]:
-        size = struct.calcsize(f"<{n}{code}")
-        return list(struct.unpack(f"<{n}{code}", self.take(size)))
+        raw = self.take(struct.calcsize(f"<{n}{code}"))
+        if array(code).itemsize != struct.calcsize(code):
+            return list(struct.unpack(f"<{n}{code}", raw))
+        col = array(code, raw)  # one copy, then ints: half of unpacking to a tuple first
+        if sys.byteorder != "little":
+            col.byteswap()
+        return col.tolist()
 
     def hashes(self) -> list[bytes]:
         n = self.u32()
