@@ -77,6 +77,11 @@ class CallTask:
     timeout_s: float = 10.0
     sum_field: str = ""
     """A numeric response field to total (e.g. Publish's `applied`)."""
+    pace_s: float = 0.0
+    """Send-once mode: request i goes no earlier than `start_at` + i * pace_s (an
+    offered rate, not a closed loop: a slow answer does not slow the schedule)."""
+    stamp_field: str = ""
+    """A numeric response field to record with the time of each answer (`stamps`)."""
 
 
 @dataclass(slots=True)
@@ -90,6 +95,9 @@ class CallResult:
     summed: int = 0
     failed: int = 0
     """Send-once mode: requests that never succeeded."""
+    stamps: list[tuple[int, int]] = field(default_factory=list)
+    """(stamp_field's value, time.perf_counter_ns() at the answer) per answer: the
+    monotonic clock, so comparable with other processes' on this machine."""
 
 
 def _cycle(call: Any, task: CallTask, t: int, out: CallResult, lock: threading.Lock) -> None:
@@ -135,12 +143,16 @@ def _cycle(call: Any, task: CallTask, t: int, out: CallResult, lock: threading.L
 
 def _once(call: Any, task: CallTask, t: int, out: CallResult, lock: threading.Lock) -> None:
     time.sleep(max(0.0, task.start_at - time.time()))
+    base = time.perf_counter()
     lat: list[int] = []
     idx: list[int] = []
+    stamps: list[tuple[int, int]] = []
     errors: dict[str, int] = {}
     summed = failed = 0
     clock = time.perf_counter_ns
     for i in range(t, min(len(task.requests), task.max_calls), task.threads):
+        if task.pace_s > 0:
+            time.sleep(max(0.0, base + i * task.pace_s - time.perf_counter()))
         t0 = clock()
         for attempt in range(ATTEMPTS_MAX):
             try:
@@ -153,14 +165,18 @@ def _once(call: Any, task: CallTask, t: int, out: CallResult, lock: threading.Lo
                     break
                 time.sleep(0.01)
             else:
-                lat.append(clock() - t0)
+                now = clock()
+                lat.append(now - t0)
                 idx.append(i)
                 if task.sum_field:
                     summed += getattr(resp, task.sum_field)
+                if task.stamp_field:
+                    stamps.append((getattr(resp, task.stamp_field), now))
                 break
     with lock:
         out.latencies_ns += lat
         out.indices += idx
+        out.stamps += stamps
         out.calls += len(lat)
         out.summed += summed
         out.failed += failed

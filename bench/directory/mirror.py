@@ -7,9 +7,10 @@ A `Mirror` fed by a Watch stream from the follower the lookup phase measured
 2. lookups: the lookup phase's query chains answered in process, records
    included (the RPC's own message), one thread (one core), and the routing
    form (`holders`: prefix lengths only, no message);
-3. lag: publishes of new blocks at `LAG_ENTRIES_PER_S` through the leader;
-   per acknowledged publish, from its acknowledgement until the mirror's
-   applied index reached its index (negative: the mirror had it first).
+3. lag: publishes of new blocks offered at `LAG_ENTRIES_PER_S` through the
+   leader from the bench's client processes; per acknowledged publish, from
+   its acknowledgement until the mirror's applied index reached its index
+   (negative: the mirror had it first).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import threading
 import time
 from typing import Any
 
-from bench.directory.cluster import FILLER_NODE, NAMESPACE, Bench
+from bench.directory.cluster import FILLER_NODE, NAMESPACE, PUBLISH, Bench, merge_errors
 from bench.measure import ms_stats_from_ns, say
+from bench.workers import CallTask
 from kvdir.core.mirror import Mirror
 from kvdir.core.mirror_sync import MirrorSync
 from kvdir.core.wire import namespace_key
@@ -30,7 +32,9 @@ from kvdir.v1 import directory_pb2 as pb
 START_TIMEOUT_S = 600.0
 LAG_ENTRIES_PER_S = 100_000
 LAG_BATCH_ENTRIES = 1000
-LAG_SENDERS = 4
+LAG_SENDER_PROCS = 2
+LAG_THREADS_PER_PROC = 4
+"""Publishes in flight at most: procs x threads (each thread waits for its answer)."""
 LAG_DURATION_S = 8.0
 POLL_S = 0.0005
 """How often the lag phase samples the mirror's applied index."""
@@ -79,76 +83,92 @@ def lookups(b: Bench, m: Mirror) -> dict[str, Any]:
     return out
 
 
+def lag_requests(b: Bench) -> list[bytes]:
+    """The lag phase's publishes, built before it starts: new 8-byte blocks (the
+    product's width), one filler-node batch each."""
+    rng = random.Random(b.cfg.seed * 7919 + 17)
+    n = LAG_BATCH_ENTRIES
+    count = round(LAG_ENTRIES_PER_S * LAG_DURATION_S / n)
+    return [
+        pb.PublishRequest(
+            node_id=FILLER_NODE,
+            incarnation=b.incarnation,
+            namespace=NAMESPACE,
+            tier=pb.TIER_GPU,
+            block_hashes=[rng.randbytes(8) for _ in range(n)],
+            addresses=[0x10_0000 + 4096 * j for j in range(n)],
+            lengths=[4096] * n,
+            rkeys=[7] * n,
+            generations=[1] * n,
+        ).SerializeToString()
+        for _ in range(count)
+    ]
+
+
 def lag(b: Bench, m: Mirror) -> dict[str, Any]:
-    """Publishes at LAG_ENTRIES_PER_S; per ack, how long until the mirror had it."""
-    leader = b.leader()
-    stub = b.stubs.stub[leader.grpc_address]
-    acks: list[tuple[int, int]] = []
+    """Publishes offered at LAG_ENTRIES_PER_S; per ack, how long until the mirror had it.
+
+    The publishers are the bench's client processes (as agents on other nodes
+    would be), so this process holds only the mirror and the sampler of its
+    applied index; the ack times and the sampler's share the monotonic clock."""
+    reqs = lag_requests(b)
+    procs = max(1, min(b.pool.size, LAG_SENDER_PROCS))
+    interval = LAG_BATCH_ENTRIES / LAG_ENTRIES_PER_S
+    start_at = time.time() + 1.0
+    tasks = [
+        CallTask(
+            b.leader().grpc_address,
+            PUBLISH,
+            "PublishResponse",
+            reqs[w::procs],
+            start_at + w * interval,
+            0.0,
+            len(reqs),
+            threads=LAG_THREADS_PER_PROC,
+            timeout_s=10.0,
+            sum_field="applied",
+            pace_s=interval * procs,
+            stamp_field="applied_index",
+        )
+        for w in range(procs)
+    ]
     seen: list[tuple[int, int]] = []
     stop = threading.Event()
-    interval = LAG_BATCH_ENTRIES * LAG_SENDERS / LAG_ENTRIES_PER_S
-    errors = [0]
 
-    def send(k: int) -> None:
-        rng = random.Random(b.cfg.seed * 1000 + k)
-        t_next = time.perf_counter() + k * interval / LAG_SENDERS
-        end = time.perf_counter() + LAG_DURATION_S
-        while time.perf_counter() < end:
-            stop.wait(max(0.0, t_next - time.perf_counter()))
-            t_next += interval
-            n = LAG_BATCH_ENTRIES
-            req = pb.PublishRequest(
-                node_id=FILLER_NODE,
-                incarnation=b.incarnation,
-                namespace=NAMESPACE,
-                tier=pb.TIER_GPU,
-                block_hashes=[rng.randbytes(16) for _ in range(n)],
-                addresses=[0x10_0000 + 4096 * j for j in range(n)],
-                lengths=[4096] * n,
-                rkeys=[7] * n,
-                generations=[1] * n,
-            )
-            try:
-                resp = stub.Publish(req, timeout=10)
-            except Exception:
-                errors[0] += 1
-                continue
-            acks.append((resp.applied_index, time.perf_counter_ns()))
-
-    def watch() -> None:
+    def sample() -> None:
         last = -1
         while not stop.is_set():
             at = m.applied_index
             if at != last:
                 seen.append((at, time.perf_counter_ns()))
                 last = at
-            time.sleep(POLL_S)
+            stop.wait(POLL_S)
 
-    w = threading.Thread(target=watch, daemon=True)
+    w = threading.Thread(target=sample, daemon=True)
     w.start()
-    senders = [threading.Thread(target=send, args=(k,), daemon=True) for k in range(LAG_SENDERS)]
-    t0 = time.perf_counter()
-    for t in senders:
-        t.start()
-    for t in senders:
-        t.join(LAG_DURATION_S + 30)
-    wall = time.perf_counter() - t0
-    final = max((i for i, _ in acks), default=0)
-    for _ in range(2000):
-        if m.applied_index >= final:
-            break
-        time.sleep(0.01)
-    stop.set()
-    w.join(5)
+    try:
+        res = b.pool.run(tasks, timeout_s=LAG_DURATION_S + 120)
+        acks = sorted(x for r in res for x in r.stamps)
+        final = max((i for i, _ in acks), default=0)
+        deadline = time.perf_counter() + 20.0
+        while m.applied_index < final and time.perf_counter() < deadline:
+            stop.wait(0.01)  # the sampler records when; this only bounds the phase
+    finally:
+        stop.set()
+        w.join(5)
+    window = max(r.finished for r in res) - min(r.started for r in res)
     lags = [_first_seen(seen, idx) - t for idx, t in acks]
     return {
         "target_entries_per_s": LAG_ENTRIES_PER_S,
-        "achieved_entries_per_s": len(acks) * LAG_BATCH_ENTRIES / wall,
+        "achieved_entries_per_s": sum(r.summed for r in res) / window if window > 0 else 0.0,
         "publishes": len(acks),
-        "publish_errors": errors[0],
+        "publish_errors": merge_errors(res),
+        "publishes_failed": sum(r.failed for r in res),
         "batch_entries": LAG_BATCH_ENTRIES,
+        "senders": f"{procs} client processes x {LAG_THREADS_PER_PROC} threads, paced",
         "lag_ms": ms_stats_from_ns(lags),
         "lag_ms_max": max(lags) / 1e6 if lags else 0.0,
+        "never_seen": sum(idx > m.applied_index for idx, _ in acks),
     }
 
 
