@@ -130,6 +130,18 @@ def check_layout(t: Table) -> None:
                 assert c.dual[s] == int(twins > 1)
 
 
+def check_layout_after_applies(t: Table) -> None:
+    """Node lists and entry counts still agree once slots were freed and reused."""
+    c = t.col
+    for node in t.nodes.values():
+        s, count = node.head, 0
+        while s != NIL:
+            assert c.node[s] == t.node_idx[node.node_id]
+            s, count = c.nnext[s], count + 1
+        assert count == node.entries
+    assert t.entries == sum(n.entries for n in t.nodes.values())
+
+
 def same_tables(got: Table, want: Table) -> None:
     assert got.digest() == want.digest()
     assert got.ns_names == want.ns_names
@@ -164,18 +176,6 @@ def test_restricted_snapshot_is_the_table_of_the_filtered_log(seed: int) -> None
                 assert got.apply(cmd) == want.apply(cmd), cmd
         check_layout_after_applies(got)
         same_tables(got, want)
-
-
-def check_layout_after_applies(t: Table) -> None:
-    """Node lists and entry counts still agree once slots were freed and reused."""
-    c = t.col
-    for node in t.nodes.values():
-        s, count = node.head, 0
-        while s != NIL:
-            assert c.node[s] == t.node_idx[node.node_id]
-            s, count = c.nnext[s], count + 1
-        assert count == node.entries
-    assert t.entries == sum(n.entries for n in t.nodes.values())
 
 
 def test_other_namespaces_leave_nothing_but_nodes() -> None:
