@@ -24,18 +24,25 @@ import json
 import struct
 import sys
 from array import array
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
+from itertools import compress
 from typing import Any, BinaryIO
 
+import numpy as np
+import numpy.typing as npt
+
 from kvdir.directory.consensus.sync import REAL, Syncer, replace_durably
-from kvdir.directory.table import NIL, NodeState, Table
+from kvdir.directory.table import NIL, Columns, NodeState, Table
 
 MAGIC = b"KVDSNAP\x00"
 FORMAT_VERSION = 2  # 2: fingerprint, key-width and sole-holder columns
 _CHUNK = 1 << 16
 
 RaftEntry = tuple[bytes, int, int]
+_NODE_HEAD, _NODE_ENTRIES = 7, 8
+"""Where a node record of `capture` holds its list head and its entry count."""
+Slots = npt.NDArray[np.int64]
 
 
 class SnapshotError(ValueError):
@@ -86,6 +93,97 @@ def capture(table: Table) -> Image:
         heads=[list(b.values()) for b in table.blocks],
         meta=meta,
     )
+
+
+def restrict(image: Image, namespaces: Collection[str]) -> Image:
+    """`image` with only the entries of `namespaces` and every node: the table
+    of the same log with only those namespaces' commands and every node-wide
+    one applied (what a namespace-filtered Watch stream carries).
+
+    For a filtered watcher's starting point, on the stream's thread (never the
+    Raft thread: the work is proportional to the table, in numpy). `image` is
+    left as it was. Free slots are dropped and the kept ones renumbered in
+    their order (consecutive runs stay consecutive, which lookups read fast),
+    so the free list is empty; the kept namespaces keep their relative order,
+    node indexes stay as they are. Each node's list is rebuilt newest slot
+    first, as inserts leave it: its order carries no meaning (it only decides
+    which freed slot a later insert reuses).
+    """
+    names: list[str] = image.meta["namespaces"]
+    kept_ns = [i for i, name in enumerate(names) if name in namespaces]
+    old = Columns.of(image.arrays, image.keys)
+    keep = (_np(old.node) != NIL) & np.isin(_np(old.ns), kept_ns)  # used, and watched
+    slots = np.flatnonzero(keep)
+    renumber = np.full(len(old), NIL, dtype=np.int64)
+    renumber[slots] = np.arange(len(slots))
+    keys = list(compress(old.key, keep.tolist()))
+    new = Columns.of([_take(a, slots) for a in old.arrays()], keys)
+    ns_ids = np.zeros(len(names), dtype=np.int64)
+    ns_ids[kept_ns] = np.arange(len(kept_ns))
+    new.ns = _like(new.ns, ns_ids[_np(new.ns)])
+    new.bnext = _like(new.bnext, _follow(renumber, _np(new.bnext)))
+    heads = [_follow(renumber, np.asarray(image.heads[i], np.int64)).tolist() for i in kept_ns]
+    node_heads, entries = _relink_nodes(new, len(image.meta["nodes"]))
+    meta = dict(image.meta)
+    meta.update(
+        slots=len(slots),
+        free=NIL,
+        entries=len(slots),
+        namespaces=[names[i] for i in kept_ns],
+        nodes=[_node_record(r, node_heads[i], entries[i]) for i, r in enumerate(meta["nodes"])],
+        free_node_idx=list(meta["free_node_idx"]),
+    )
+    return Image(arrays=new.arrays(), keys=new.key, heads=heads, meta=meta)
+
+
+def _np(a: array[int]) -> npt.NDArray[np.unsignedinteger[Any]]:
+    """A numpy view of an array column (no copy)."""
+    return np.frombuffer(a, dtype=np.dtype(f"u{a.itemsize}"))
+
+
+def _take(a: array[int], slots: Slots) -> array[int]:
+    return array(a.typecode, _np(a)[slots].tobytes())
+
+
+def _like(a: array[int], values: npt.NDArray[Any]) -> array[int]:
+    """`values` as a column of `a`'s type."""
+    return array(a.typecode, values.astype(np.dtype(f"u{a.itemsize}")).tobytes())
+
+
+def _follow(renumber: Slots, links: npt.NDArray[Any]) -> Slots:
+    """Slot links (NIL: none) in the new numbering; each must point at a kept slot."""
+    links = links.astype(np.int64)
+    out = np.full(len(links), NIL, dtype=np.int64)
+    linked = links != NIL
+    out[linked] = renumber[links[linked]]
+    assert (out[linked] != NIL).all(), "a chain or head reaches a dropped slot"
+    return out
+
+
+def _relink_nodes(c: Columns, nodes: int) -> tuple[Slots, Slots]:
+    """Rebuild every node's list over `c` (newest slot first); (heads, entries) per node."""
+    owner = _np(c.node).astype(np.int64)
+    newest_first = np.arange(len(owner) - 1, -1, -1, dtype=np.int64)
+    order = newest_first[np.argsort(owner[newest_first], kind="stable")]
+    same = owner[order[1:]] == owner[order[:-1]]
+    nnext = np.full(len(owner), NIL, dtype=np.int64)
+    nprev = np.full(len(owner), NIL, dtype=np.int64)
+    nnext[order[:-1][same]] = order[1:][same]
+    nprev[order[1:][same]] = order[:-1][same]
+    c.nnext, c.nprev = _like(c.nnext, nnext), _like(c.nprev, nprev)
+    first = np.ones(len(order), dtype=bool)
+    first[1:] = ~same
+    heads = np.full(nodes, NIL, dtype=np.int64)
+    heads[owner[order[first]]] = order[first]
+    return heads, np.bincount(owner, minlength=nodes).astype(np.int64)
+
+
+def _node_record(rec: list[Any] | None, head: np.int64, entries: np.int64) -> list[Any] | None:
+    if rec is None:
+        return None
+    rec = list(rec)
+    rec[_NODE_HEAD], rec[_NODE_ENTRIES] = int(head), int(entries)  # JSON takes no numpy ints
+    return rec
 
 
 def _to_le(a: array[int]) -> array[int]:
@@ -243,4 +341,4 @@ def _restore_meta(table: Table, header: dict[str, Any], heads: list[array[int]])
         raise SnapshotError("snapshot free list is corrupt")
 
 
-__all__ = ["Image", "SnapshotError", "capture", "load", "read", "write", "write_to"]
+__all__ = ["Image", "SnapshotError", "capture", "load", "read", "restrict", "write", "write_to"]

@@ -23,6 +23,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import ClassVar
 
 from kvdir.core.wire import HASH_BYTES_MAX
 from kvdir.directory import lookup as prefix_lookup
@@ -138,24 +139,36 @@ class Columns:
         fast path then re-resolves the node's best tier)."""
         self.key: list[bytes | None] = []
 
+    ARRAYS: ClassVar[tuple[str, ...]] = (
+        "addr",
+        "length",
+        "rkey",
+        "gen",
+        "tier",
+        "node",
+        "ns",
+        "bnext",
+        "nprev",
+        "nnext",
+        "fp",
+        "kw",
+        "solo",
+        "dual",
+    )
+    """Names of the numeric columns, in the snapshot's fixed order."""
+
     def arrays(self) -> list[array[int]]:
-        """The numeric columns, in the snapshot's fixed order."""
-        return [
-            self.addr,
-            self.length,
-            self.rkey,
-            self.gen,
-            self.tier,
-            self.node,
-            self.ns,
-            self.bnext,
-            self.nprev,
-            self.nnext,
-            self.fp,
-            self.kw,
-            self.solo,
-            self.dual,
-        ]
+        """The numeric columns, in the snapshot's fixed order (`ARRAYS`)."""
+        return [getattr(self, name) for name in self.ARRAYS]
+
+    @classmethod
+    def of(cls, arrays: list[array[int]], keys: list[bytes | None]) -> Columns:
+        """Columns over existing arrays (in `ARRAYS` order), not copied."""
+        c = cls()
+        for name, a in zip(cls.ARRAYS, arrays, strict=True):
+            setattr(c, name, a)
+        c.key = keys
+        return c
 
     def __len__(self) -> int:
         return len(self.key)

@@ -6,9 +6,13 @@ with the watcher's registration, then relays what the hub queues for it, and
 a heartbeat when nothing came for `heartbeat_ms`. Every event carries the
 replica's applied and commit index, so a mirror knows how far behind it is.
 
+A watcher filtered to some namespaces gets a snapshot of those namespaces'
+entries and every node (`snapshot.restrict`), the table its stream then
+keeps up to date.
+
 The work on the apply path is `observe` (one reference appended per
-watcher); everything else (snapshot encoding, messages) runs on the stream's
-own gRPC thread.
+watcher); everything else (narrowing and encoding the snapshot, messages)
+runs on the stream's own gRPC thread.
 """
 
 from __future__ import annotations
@@ -149,6 +153,8 @@ class WatchService:
         if opened is None:
             raise Refused("UNAVAILABLE", "replica-busy", "commands outran the history; retry")
         try:
+            if nss is not None:  # the watcher gets only what its stream will update
+                image = snapshot.restrict(image, nss)
             buf = io.BytesIO()
             snapshot.write_to(buf, image, {}, [])
         except BaseException:

@@ -19,6 +19,13 @@ block that has since moved or gone, and every reader validates the
 generation of what it read before using it (docs/agent.md), so staleness
 costs a miss or a wasted transfer, never wrong data.
 
+A mirror filtered to some namespaces (`namespaces`, the same list its stream
+asks for) holds the table of those namespaces' commands and every node-wide
+one: its snapshot carries only their entries and every node (the replica
+narrows it, `directory/snapshot.py` `restrict`), so it answers for them
+exactly as a replica does and holds nothing else. Its `digest` is then that
+filtered table's, not a replica's.
+
 Staleness: `fresh()` is false before the first starting point, when no
 message came for `max_staleness_s`, or when the oldest committed command not
 yet applied was heard of more than `max_staleness_s` ago; lookups then raise

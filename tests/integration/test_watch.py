@@ -17,9 +17,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvdir.core import wire
 from kvdir.core.client import DirectoryClient, lookup_request
 from kvdir.core.mirror import Mirror, MirroredDirectory
 from kvdir.core.mirror_sync import MirrorSync
+from kvdir.directory.table import Table
 from kvdir.local import LocalCluster, Replica, wait_for
 from kvdir.v1 import directory_pb2 as pb
 from kvdir.v1 import directory_pb2_grpc as pb_grpc
@@ -213,6 +215,69 @@ def same_answers(c: DirectoryClient, m: Mirror, chains: list[list[bytes]], r: Re
     got_b.ClearField("read")
     want_b.ClearField("read")
     assert got_b == want_b
+
+
+@pytest.mark.timeout(180)
+def test_a_filtered_mirror_holds_only_its_namespace(tmp_path: Path) -> None:
+    """Its snapshot carries its namespace's entries (and every node), its answers are
+    the RPC's, before and after commands that drop a node's entries; an unfiltered
+    mirror next to it, equal to the replica by digest, is the count to compare with."""
+    cluster = LocalCluster(str(tmp_path), size=1)
+    try:
+        cluster.start(30)
+        r = cluster.replicas[0]
+        with cluster.client(timeout_s=30) as c, raw_stub(r.grpc_address) as stub:
+            w = Writes(c, seed=23)
+            w.run(200)
+            for i, n in enumerate(NODES):
+                publish(c, n, w.inc[n], OTHER, chain(32, salt=900 + i))
+            whole = first_event(stub, pb.WatchRequest()).snapshot.total_bytes
+            part = first_event(stub, pb.WatchRequest(namespaces=[SPACE])).snapshot.total_bytes
+            assert part < whole
+            full, mine = Mirror(max_staleness_s=5.0), Mirror(5.0, namespaces=[SPACE])
+            with (
+                MirrorSync(full, [r.grpc_address]),
+                MirrorSync(mine, [r.grpc_address], namespaces=[SPACE]),
+            ):
+                only_its_namespace(c, r, full, mine, w.chains[-40:])
+                assert mine.snapshots == 1
+                w.run(150)  # clears, removes, restarts (a higher incarnation) among them
+                for n in NODES:
+                    w.inc[n] += 1
+                    register(c, n, w.inc[n])
+                    publish(c, n, w.inc[n], SPACE, chain(8, salt=950))
+                    publish(c, n, w.inc[n], OTHER, chain(8, salt=960))
+                only_its_namespace(c, r, full, mine, [*w.chains[-60:], chain(8, salt=950)])
+    finally:
+        cluster.stop()
+
+
+def only_its_namespace(
+    c: DirectoryClient, r: Replica, full: Mirror, mine: Mirror, chains: list[list[bytes]]
+) -> None:
+    target = status(r).applied_index
+    for m in (full, mine):
+        wait_for(
+            lambda m=m: m.applied_index >= target,  # type: ignore[misc]
+            20,
+            f"the mirrors to reach {target} (at {m.applied_index}: {m.error})",
+            0.02,
+        )
+    d = c.call("ClusterStatus", pb.ClusterStatusRequest(with_digest=True))
+    assert full.digest() == (d.applied_index, d.state_digest)
+    space, other = wire.namespace_key(SPACE), wire.namespace_key(OTHER)
+    with full.lock, mine.lock:
+        want = entries_in(full.table, space)
+        assert entries_in(full.table, other) > 0 and want > 0
+        assert mine.table.entries == entries_in(mine.table, space) == want
+        assert other not in mine.table.ns_ids
+        assert mine.table.nodes.keys() == full.table.nodes.keys()
+    same_answers(c, mine, chains, r)
+
+
+def entries_in(t: Table, ns_key: str) -> int:
+    ns = t.ns_ids.get(ns_key)
+    return sum(1 for s, k in enumerate(t.col.key) if k is not None and t.col.ns[s] == ns)
 
 
 def first_event(stub: pb_grpc.PrefixDirectoryStub, req: pb.WatchRequest) -> pb.WatchEvent:

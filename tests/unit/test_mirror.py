@@ -6,14 +6,17 @@ registering, publishing, removing, restarting, expiring, with duplicates.
 
 from __future__ import annotations
 
+import io
 import random
 
 import pytest
 
 from kvdir.core.mirror import Mirror, MirrorError, NotServed
-from kvdir.directory import codec
+from kvdir.directory import codec, snapshot
 from kvdir.directory.limits import WatchLimits
 from kvdir.directory.lookup import Chain
+from kvdir.directory.table import Records, Table
+from kvdir.directory.watch import namespace_of
 from kvdir.directory.watch_hub import Refused
 from kvdir.v1 import directory_pb2 as pb
 from tests.sim.test_replicas import NAMESPACES, Workload, digest
@@ -233,6 +236,55 @@ def test_namespace_filter() -> None:
     with pytest.raises(NotServed) as e:
         mirror.lookup(pb_ns(NAMESPACES[1]), [b"y" * 32])
     assert e.value.reason == "namespace-not-mirrored"
+
+
+def test_a_filtered_mirror_starts_from_its_namespaces_entries_only() -> None:
+    """Its snapshot, and the table it keeps after, are the filtered log's table."""
+    log = Workload(8).run(300)
+    replica = LocalReplica()
+    keep = pb_ns(NAMESPACES[0])
+    for blob in log.entries[:200]:
+        replica.apply(blob)
+    assert set(replica.table.ns_names) == set(NAMESPACES)
+    mirror = Mirror(clock=Clock(), namespaces=[keep])
+    s = connect(replica, mirror, [keep])
+    assert mirror.snapshots == 1
+    assert mirror.table.digest() == filtered_table(log.entries[:200], NAMESPACES[0]).digest()
+    assert mirror.table.ns_names == [NAMESPACES[0]]
+    for blob in log.entries[200:]:
+        replica.apply(blob)
+    s.drain()
+    assert mirror.applied_index == replica.index
+    assert mirror.table.digest() == filtered_table(log.entries, NAMESPACES[0]).digest()
+    assert replica.table.blocks[replica.table.ns_ids[NAMESPACES[1]]]
+    assert NAMESPACES[1] not in mirror.table.ns_ids
+    for ns, hs in log.chains:
+        if ns == NAMESPACES[0]:
+            assert answers(mirror.table, ns, hs) == answers(replica.table, ns, hs)
+
+
+def test_an_unfiltered_watcher_gets_the_whole_snapshot_unchanged() -> None:
+    replica = LocalReplica()
+    for blob in Workload(9).run(100).entries:
+        replica.apply(blob)
+    want = io.BytesIO()
+    snapshot.write_to(want, snapshot.capture(replica.table), {}, [])
+    _, chunks = replica.service.open(pb.WatchRequest())
+    assert b"".join(ev.snapshot.data for ev in chunks) == want.getvalue()
+
+
+def answers(t: Table, ns: str, hs: list[bytes]) -> list[tuple[str, int, Records]]:
+    return [(m.node.node_id, m.prefix_blocks, t.records(m.slots)) for m in t.lookup(ns, hs, 64)]
+
+
+def filtered_table(entries: list[bytes], namespace: str) -> Table:
+    """The table of the commands a stream filtered to `namespace` carries."""
+    t = Table()
+    for blob in entries:
+        cmd = codec.decode(blob)
+        if namespace_of(cmd) in (None, namespace):
+            t.apply(cmd)
+    return t
 
 
 def test_newer_command_format_stops_the_mirror() -> None:

@@ -902,7 +902,8 @@ class WatchRequest(_message.Message):
     @_builtins.property
     def namespaces(self) -> _containers.RepeatedCompositeFieldContainer[Global___Namespace]:
         """Only commands of these namespaces (node-wide commands always come); empty:
-        all. A filtered mirror answers lookups in these namespaces only.
+        all. A snapshot then holds only these namespaces' entries (and every node).
+        A filtered mirror answers lookups in these namespaces only.
         """
 
     def __init__(
