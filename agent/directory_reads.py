@@ -98,5 +98,5 @@ def mirror_reads(
         return None
     namespaces = [p.namespace() for p in cfg.pools]
     mirror = Mirror(max_staleness_s=cfg.directory_mirror_staleness_ms / 1000, namespaces=namespaces)
-    sync = MirrorSync(mirror, cfg.directory, security, namespaces)
+    sync = MirrorSync(mirror, cfg.directory, security)
     return MirrorReads(client, mirror, sync)

@@ -274,7 +274,7 @@ def measure(w: World) -> dict[str, Any]:
     store(w, all_chains)
     client = DirectoryClient(w.cluster.grpc_addresses, timeout_s=10)
     mirror = Mirror(namespaces=[NS])
-    sync = MirrorSync(mirror, w.cluster.grpc_addresses, namespaces=[NS]).start()
+    sync = MirrorSync(mirror, w.cluster.grpc_addresses).start()
     try:
         wait_for(mirror.fresh, START_TIMEOUT_S, "the in-process mirror", 0.05)
         wrong = answers(w, mirror, client, all_chains)

@@ -106,7 +106,9 @@ class Mirror:
         """Whether the mirror has a starting point (a snapshot, or commands from 0)."""
         self.source = ""
         self.max_staleness_s = max_staleness_s
-        self.namespaces = frozenset(validate.namespace_key(ns) for ns in namespaces) or None
+        self.watched = list(namespaces)
+        """What its Watch stream asks for (all namespaces when empty)."""
+        self.namespaces = frozenset(validate.namespace_key(ns) for ns in self.watched) or None
         self.limits = limits or RequestLimits()
         self._clock = clock
         self._heard = -float("inf")
@@ -318,7 +320,8 @@ class Mirror:
             return self.table.prefix_lengths(ns_key, chain, max_nodes)
 
     def digest(self) -> tuple[int, bytes]:
-        """(applied index, the table's digest at it): compare with ClusterStatus's."""
+        """(applied index, the table's digest at it): an unfiltered mirror's equals
+        ClusterStatus's at the same index (a filtered one's is its namespaces' table)."""
         with self.lock:
             return self.applied_index, self.table.digest()
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -38,8 +38,10 @@ class MirrorSync:
         mirror: Mirror,
         addresses: Sequence[str],
         security: ClientSecurity = PLAIN,
-        namespaces: Iterable[pb.Namespace] = (),
     ) -> None:
+        """Feeds `mirror` from the first replica of `addresses` that serves it; the
+        stream is filtered to the mirror's own namespaces (`Mirror.watched`), so the
+        two can never disagree on what the table holds."""
         if not addresses:
             raise ValueError("a mirror needs at least one directory address")
         self.mirror = mirror
@@ -50,7 +52,6 @@ class MirrorSync:
         ]
         self._channels = [security.channel(a, opts) for a in self.addresses]
         self._stubs = [pb_grpc.PrefixDirectoryStub(c) for c in self._channels]
-        self._namespaces = list(namespaces)
         self._stop = threading.Event()
         self._call: Any = None
         self._call_lock = threading.Lock()
@@ -94,7 +95,7 @@ class MirrorSync:
 
     def _stream_once(self) -> str:
         """One Watch call; returns "applied" if it delivered anything, else a status name."""
-        req = pb.WatchRequest(from_index=self.mirror.resume_index(), namespaces=self._namespaces)
+        req = pb.WatchRequest(from_index=self.mirror.resume_index(), namespaces=self.mirror.watched)
         address = self.addresses[self._at]
         got = False
         with self._call_lock:

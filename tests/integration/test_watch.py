@@ -237,7 +237,7 @@ def test_a_filtered_mirror_holds_only_its_namespace(tmp_path: Path) -> None:
             full, mine = Mirror(max_staleness_s=5.0), Mirror(5.0, namespaces=[SPACE])
             with (
                 MirrorSync(full, [r.grpc_address]),
-                MirrorSync(mine, [r.grpc_address], namespaces=[SPACE]),
+                MirrorSync(mine, [r.grpc_address]),
             ):
                 only_its_namespace(c, r, full, mine, w.chains[-40:])
                 assert mine.snapshots == 1
