@@ -100,14 +100,21 @@ class Chain:
     def fingerprints_native(self) -> Any:
         """`fingerprints` as native-endian u64 (the memory form of `Columns.fp`), cached."""
         if self._fpn is None:
-            self._fpn = self.fingerprints().astype(np.uint64)
+            self._fpn = np.frombuffer(self.fingerprint_bytes(), np.uint64)
         return self._fpn
 
     def fingerprint_bytes(self) -> bytes:
         """The bytes of `fingerprints_native`: a stretch of `Columns.fp` holds the same
-        bytes exactly when it holds the same fingerprints."""
+        bytes exactly when it holds the same fingerprints. Cached; 8-byte hashes (the
+        usual) take one array copy and a byte swap rather than numpy's conversions."""
         if self._fpb is None:
-            self._fpb = self.fingerprints_native().tobytes()
+            if self.width == 8:
+                fp = array("Q", self.data)
+                if _LITTLE:
+                    fp.byteswap()
+                self._fpb = fp.tobytes()
+            else:
+                self._fpb = self.fingerprints().astype(np.uint64).tobytes()
         return self._fpb
 
 
@@ -412,9 +419,12 @@ def _packed_run(c: Columns, a: int, b: int) -> PackedRecords:
 def _le(col: Any, a: int, b: int) -> bytes:
     """Little-endian bytes of col[a:b] (arrays are native-endian)."""
     part = col[a:b]
-    if sys.byteorder != "little":
+    if not _LITTLE:
         part.byteswap()
     return bytes(part.tobytes())
+
+
+_LITTLE = sys.byteorder == "little"
 
 
 def sort_matches(matches: list[Match], max_nodes: int) -> list[Match]:

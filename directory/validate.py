@@ -150,17 +150,17 @@ def remove(req: pb.RemoveRequest, limits: RequestLimits) -> Remove:
 def _packed_chain(req: pb.LookupRequest, limit: int) -> Chain:
     if req.block_hashes or req.block_ids:
         raise BadRequest("bad-hashes", "lookup: give one of block_hashes, block_ids, packed_hashes")
-    w = req.hash_width
-    if not 0 < w <= HASH_BYTES_MAX or len(req.packed_hashes) % w:
+    w, data = req.hash_width, req.packed_hashes  # each read of a bytes field copies it
+    if not 0 < w <= HASH_BYTES_MAX or len(data) % w:
         raise BadRequest(
             "bad-hashes",
-            f"lookup: packed_hashes of {len(req.packed_hashes)} bytes is not a whole number "
+            f"lookup: packed_hashes of {len(data)} bytes is not a whole number "
             f"of hash_width {w} (1..{HASH_BYTES_MAX}) hashes",
         )
-    n = len(req.packed_hashes) // w
+    n = len(data) // w
     if n > limit:
         raise BadRequest("too-many-blocks", f"lookup: {n} blocks is over the limit of {limit}")
-    return Chain(req.packed_hashes, w)
+    return Chain(data, w)
 
 
 def chain(req: pb.LookupRequest, limit: int) -> Chain:

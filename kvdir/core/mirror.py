@@ -241,11 +241,15 @@ class Mirror:
     # ----------------------------------------------------------------- reads
 
     def read_info(self) -> pb.ReadInfo:
-        return pb.ReadInfo(
-            replica_id=f"mirror:{self.source}",
-            applied_index=self.applied_index,
-            commit_index=max(self.commit_index, self.applied_index),
-        )
+        info = pb.ReadInfo()
+        self._fill_read(info)
+        return info
+
+    def _fill_read(self, info: pb.ReadInfo) -> None:
+        """Set `info` in place (a response's own field: no message built and copied)."""
+        info.replica_id = f"mirror:{self.source}"
+        info.applied_index = self.applied_index
+        info.commit_index = max(self.commit_index, self.applied_index)
 
     def lookup_message(self, req: pb.LookupRequest) -> pb.LookupResponse:
         """The answer a replica gives to `req` (local read), from this mirror.
@@ -260,7 +264,7 @@ class Mirror:
         with self.lock:
             matches = self.table.lookup(ns, chain, max_nodes, req.exclude_node)
             answer.fill(resp.matches, self.table, matches, req.omit_records)
-            resp.read.CopyFrom(self.read_info())  # the index this answer reflects
+            self._fill_read(resp.read)  # the index this answer reflects
         return resp
 
     def _parse(self, req: pb.LookupRequest) -> tuple[str, Chain, int]:
@@ -296,7 +300,7 @@ class Mirror:
             for lk, (ns, chain, max_nodes) in zip(lookups, parsed, strict=True):
                 matches = self.table.lookup(ns, chain, max_nodes, lk.exclude_node)
                 answer.fill(resp.results.add().matches, self.table, matches, lk.omit_records)
-            resp.read.CopyFrom(self.read_info())
+            self._fill_read(resp.read)
         return resp
 
     def holders(

@@ -36,8 +36,27 @@ class BadNamespace(ValueError):
     """A namespace that cannot name KV: a required field missing or out of bounds."""
 
 
+NAMESPACE_KEYS_CACHED_MAX = 1024
+"""Keys remembered by `namespace_key` (a fleet serves a handful of namespaces)."""
+_keys: dict[tuple[str, str, int, str, int, int], str] = {}
+
+
 def namespace_key(ns: pb.Namespace) -> str:
-    """The canonical string of a namespace: model, dtype, block size, layout, TP shard."""
+    """The canonical string of a namespace: model, dtype, block size, layout, TP shard.
+
+    Remembered per field tuple: every lookup, publish and routed request asks,
+    and checking and joining the fields cost more than a dict probe."""
+    fields = (ns.model, ns.dtype, ns.block_tokens, ns.layout, ns.tp_rank, ns.tp_size)
+    key = _keys.get(fields)
+    if key is None:
+        key = _namespace_key(ns)
+        if len(_keys) >= NAMESPACE_KEYS_CACHED_MAX:
+            _keys.clear()
+        _keys[fields] = key
+    return key
+
+
+def _namespace_key(ns: pb.Namespace) -> str:
     if not ns.model:
         raise BadNamespace("namespace.model is required")
     if ns.block_tokens == 0:
