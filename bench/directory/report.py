@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from bench import targets as tg
-from bench.directory import durability
+from bench.directory import durability, mirror
 from bench.markdown import Code, Pairs, Raw, Section, Table, Text, render, text_and_table
 from kvdir import report
 
@@ -100,6 +100,7 @@ GOALS = (
         200,
         "B",
     ),
+    *mirror.GOALS,
     *durability.GOALS,
 )
 
@@ -305,6 +306,7 @@ SECTIONS = (
         ("phase", "wall s", "machine CPU busy", "foreign CPU", "1-min load avg start / end"),
         ("{phase}", "{wall_s}", "{machine_cpu_busy}", "{foreign_cpu_share}", "{loads}"),
     ),
+    mirror.SECTION,
     durability.SECTION,
     Section("settings", "Settings", (Code("settings"),)),
     Section("error", "Error", (Code("error"),)),
@@ -413,6 +415,7 @@ def _sections(r: dict[str, Any]) -> dict[str, Any]:
         ctx.update(v=v, replica_entries=str({k: x["entries"] for k, x in v["replicas"].items()}))
     ctx.update(_memory(r.get("memory", {})))
     ctx["phase_rows"] = [_phase_row(p) for p in r.get("phases") or []]
+    ctx.update(mirror.context(r))
     ctx.update(durability.context(r))
     return ctx
 
