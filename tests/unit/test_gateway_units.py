@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from array import array
 from typing import Any
 
 import pytest
+import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -14,7 +16,13 @@ from kvdir.agent.events.hashes import int64_of_digest, key, keys
 from kvdir.agent.events.selfcheck import first_block_hashes
 from kvdir.agent.pull_hint import HintError, PullHint, parse
 from kvdir.core.config import ConfigError
-from kvdir.core.hashing import HashSchemeError, block_chain, sglang_keys, sglang_page_digests
+from kvdir.core.hashing import (
+    ROOT_SEED,
+    HashSchemeError,
+    block_chain,
+    sglang_keys,
+    sglang_page_digests,
+)
 from kvdir.gateway.chain import chain_fn
 from kvdir.gateway.config import ModelConfig, from_dict
 from kvdir.gateway.errors import RequestError
@@ -78,6 +86,36 @@ def test_sglang_refuses_wide_tokens_and_kvdir_scheme_matches_directory() -> None
         sglang_page_digests([1, 2**32], 2)
     toks = list(range(100))
     assert chain_fn(ModelConfig("m", block_tokens=16, hash="kvdir"))(toks) == block_chain(toks, 16)
+
+
+def _kvdir_chain_written_out(tokens: list[int], bt: int, seed: int) -> list[bytes]:
+    """The kvdir key definition, one block at a time: xxh3-64(parent | u32le block)."""
+    out, parent = [], struct.pack(">Q", seed)
+    for start in range(0, len(tokens) - bt + 1, bt):
+        parent = xxhash.xxh3_64_digest(parent + struct.pack(f"<{bt}I", *tokens[start : start + bt]))
+        out.append(parent)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("tokens", "bt", "seed", "pinned"),
+    [
+        (
+            list(range(48)),
+            16,
+            ROOT_SEED,
+            ["8cb447191d3a0e04", "6dd413fab60f0694", "7370cbe2f2fdaa7a"],
+        ),
+        ([0, 1, 2**32 - 1, 31999, 5], 2, ROOT_SEED, ["19c35504daf2c396", "1854f0c9a4234bab"]),
+        (list(range(32)), 16, 1, ["c857c5df2612d1d3", "a6bea3e38a43bb71"]),
+        ([7] * 3, 4, ROOT_SEED, []),
+    ],
+)
+def test_kvdir_keys_are_pinned(tokens: list[int], bt: int, seed: int, pinned: list[str]) -> None:
+    """Engines and agents compute these same keys: a faster block_chain must not move them."""
+    assert [h.hex() for h in block_chain(tokens, bt, seed)] == pinned
+    assert block_chain(array("I", tokens), bt, seed) == [bytes.fromhex(h) for h in pinned]
+    assert _kvdir_chain_written_out(tokens, bt, seed) == block_chain(tokens, bt, seed)
 
 
 def test_unseeded_xxhash_is_refused_at_load() -> None:
