@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain as _concat
 from itertools import repeat
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -42,6 +43,51 @@ class PackedRecords:
     tiers: bytes  # u8 each
 
 
+class Runs(Sequence[int]):
+    """The slots of a prefix held as several runs of consecutive slots.
+
+    A chain that reached the table in several Publish commands (an engine
+    publishes per request, so a multi-turn conversation's prefix is one run
+    per turn; a batch boundary splits a chain too) is stored as one run per
+    command. Keeping the runs as ranges lets records be sliced per run
+    (`packed_records`) instead of gathered slot by slot, and costs nothing
+    per slot to build.
+    """
+
+    __slots__ = ("_n", "ranges")
+
+    def __init__(self, ranges: list[range]) -> None:
+        self.ranges = ranges
+        self._n = sum(map(len, ranges))
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __iter__(self) -> Iterator[int]:
+        return _concat.from_iterable(self.ranges)
+
+    @overload
+    def __getitem__(self, i: int) -> int: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[int]: ...
+
+    def __getitem__(self, i: int | slice) -> int | list[int]:
+        if isinstance(i, slice):
+            return list(self)[i]
+        j = i + self._n if i < 0 else i
+        if not 0 <= j < self._n:
+            raise IndexError(i)
+        for r in self.ranges:
+            if j < len(r):
+                return r[j]
+            j -= len(r)
+        raise AssertionError("unreachable: j was checked against the length")
+
+    def __repr__(self) -> str:
+        return f"Runs({self.ranges!r})"
+
+
 class Chain:
     """A lookup chain: block hashes in order, packed when they share one width.
 
@@ -51,7 +97,7 @@ class Chain:
     are materialised as Python bytes for a dict probe.
     """
 
-    __slots__ = ("_fpb", "_fpn", "_items", "data", "n", "width")
+    __slots__ = ("_fpb", "_items", "data", "n", "width")
 
     def __init__(self, data: bytes, width: int, items: list[bytes] | None = None) -> None:
         self.data = data
@@ -59,7 +105,6 @@ class Chain:
         self.n = len(items) if items is not None else (len(data) // width if width else 0)
         self._items = items
         self._fpb: bytes | None = None
-        self._fpn: Any = None
 
     @classmethod
     def of(cls, hashes: Sequence[bytes]) -> Chain:
@@ -87,35 +132,40 @@ class Chain:
             self._items = [self.data[i : i + w] for i in range(0, self.n * w, w)]
         return self._items
 
-    def fingerprints(self) -> Any:
-        """First 8 bytes of each hash as big-endian u64, zero-padded (as `Columns.fp`)."""
-        raw = np.frombuffer(self.data, np.uint8).reshape(self.n, self.width)
-        if self.width == 8:
-            return raw.view(">u8").ravel()
-        out = np.zeros((self.n, 8), np.uint8)
-        k = min(8, self.width)
-        out[:, :k] = raw[:, :k]
-        return out.view(">u8").ravel()
-
-    def fingerprints_native(self) -> Any:
-        """`fingerprints` as native-endian u64 (the memory form of `Columns.fp`), cached."""
-        if self._fpn is None:
-            self._fpn = np.frombuffer(self.fingerprint_bytes(), np.uint64)
-        return self._fpn
-
     def fingerprint_bytes(self) -> bytes:
-        """The bytes of `fingerprints_native`: a stretch of `Columns.fp` holds the same
-        bytes exactly when it holds the same fingerprints. Cached; 8-byte hashes (the
-        usual) take one array copy and a byte swap rather than numpy's conversions."""
+        """The chain's `fingerprints` in `Columns.fp`'s memory form (native-endian
+        u64): a stretch of that column holds the same bytes exactly when it holds
+        the same fingerprints. Cached."""
         if self._fpb is None:
-            if self.width == 8:
-                fp = array("Q", self.data)
-                if _LITTLE:
-                    fp.byteswap()
-                self._fpb = fp.tobytes()
-            else:
-                self._fpb = self.fingerprints().astype(np.uint64).tobytes()
+            hashes = [] if self.width == 8 else self.items()
+            self._fpb = fingerprints(hashes, {self.width}, self.data).tobytes()
         return self._fpb
+
+
+def fingerprint(key: bytes) -> int:
+    """`Columns.fp` of one hash: its first 8 bytes as a big-endian u64, zero-padded
+    (the column a lookup compares before any key)."""
+    return int.from_bytes(key[:8].ljust(8, b"\0"), "big")
+
+
+def fingerprints(hashes: Sequence[bytes], widths: set[int], joined: bytes = b"") -> array[int]:
+    """`fingerprint` of each hash as an `array("Q")`; `widths` is the set of their
+    lengths and `joined` their concatenation when that is {8} (a packed chain has it
+    already).
+
+    Hashes of 8 bytes or more (every engine's) take one join and a byte swap
+    instead of an int built per hash, which was half of a fresh publish's apply."""
+    out = array("Q")
+    if widths == {8}:
+        out.frombytes(joined or b"".join(hashes))
+    elif widths and min(widths) > 8:
+        out.frombytes(b"".join([h[:8] for h in hashes]))
+    else:
+        out.extend(map(fingerprint, hashes))
+        return out
+    if _LITTLE:
+        out.byteswap()
+    return out
 
 
 class _V:
@@ -220,8 +270,8 @@ def _follow_runs(
     probe finds the node's slot for that block and a new run starts there; a
     block the node does not hold ends the prefix. Blocks the node holds in two
     tiers (`dual`) are re-resolved through their holder chain so the node's
-    best tier wins. The usual answer, one clean run, is a `range` (no slot
-    list is built); anything else is an int64 array.
+    best tier wins. One clean run is a `range` and several are `Runs` (no
+    slot list is built); a prefix with a re-resolved block is an int64 array.
     """
     n, node = len(chain), c.node[s0]
     nslots = len(c.key)
@@ -233,18 +283,20 @@ def _follow_runs(
         if b"\x01" in c.dual[s : s + run].tobytes():
             patched = np.arange(s, s + run, dtype=np.int64)
             for j in np.flatnonzero(v.dual[s : s + run]).tolist():
-                patched[j] = _best_slot(v, blocks.get(chain.item(i + j), NIL), node)
+                patched[j] = _best_slot(c, blocks.get(chain.item(i + j), NIL), node)
             slots = patched
         runs.append(slots)
         i += run
         if i >= n:
             break
-        s = _best_slot(v, blocks.get(chain.item(i), NIL), node)
+        s = _best_slot(c, blocks.get(chain.item(i), NIL), node)
         if s == NIL:
             break
     if len(runs) == 1:
         return runs[0]
-    return np.concatenate([np.asarray(r, dtype=np.int64) for r in runs])
+    if all(isinstance(r, range) for r in runs):
+        return Runs(runs)
+    return np.concatenate([np.arange(r.start, r.stop) if isinstance(r, range) else r for r in runs])
 
 
 def prefix_lengths(
@@ -276,7 +328,7 @@ def _run_length(v: _V, blocks: dict[bytes, int], c: Columns, chain: Chain, ns: i
         i += _run(v, c, chain, i, s, min(n - i, nslots - s), ns, node)
         if i >= n:
             break
-        s = _best_slot(v, blocks.get(chain.item(i), NIL), node)
+        s = _best_slot(c, blocks.get(chain.item(i), NIL), node)
         if s == NIL:
             break
     return i
@@ -288,21 +340,18 @@ def _run(v: _V, c: Columns, chain: Chain, i: int, s: int, k: int, ns: int, node:
     Exact: a slot counts when its fingerprint, key width, namespace and node
     all match, and (hashes wider than 8 bytes) its whole key. The fingerprints
     are compared first, as bytes when the whole stretch matches (one memcmp)
-    and else as a vector to find where they stop; the other columns are then
+    and else by bisection to find where they stop; the other columns are then
     checked over that run with C-level array compares, and only if one of
     them differs (which a holder's own run never does) is the exact vector
     compare over all four columns done to find where.
     """
-    fpb = chain.fingerprint_bytes()
-    if c.fp[s : s + k].tobytes() == fpb[8 * i : 8 * (i + k)]:
-        run = k
-    else:
-        eq = v.fp[s : s + k] == chain.fingerprints_native()[i : i + k]
-        run = int(eq.argmin())  # eq is not all true here: the bytes differed
+    have = c.fp[s : s + k].tobytes()
+    want = chain.fingerprint_bytes()[8 * i : 8 * (i + k)]
+    run = k if have == want else _common_words(have, want, k)
     width = chain.width
     if run and not (
-        c.node[s : s + run] == array("I", (node,)) * run
-        and c.ns[s : s + run] == array("I", (ns,)) * run
+        c.node[s : s + run].tobytes() == array("I", (node,)).tobytes() * run
+        and c.ns[s : s + run].tobytes() == array("I", (ns,)).tobytes() * run
         and c.kw[s : s + run].tobytes() == bytes((width,)) * run
     ):
         ok = (
@@ -312,6 +361,23 @@ def _run(v: _V, c: Columns, chain: Chain, i: int, s: int, k: int, ns: int, node:
     if width > 8 and run:
         run = _same_keys(c.key, chain, i, s, run)
     return run
+
+
+def _common_words(a: bytes, b: bytes, k: int) -> int:
+    """How many leading 8-byte words `a` and `b` (k words each, not equal) share.
+
+    A bisection of C-level slice compares: about log2(k) memcmps over a
+    halving stretch, where a numpy compare would first need views of the
+    column and of the chain (the common case of a run that ends at a
+    command's boundary takes this path once per run)."""
+    lo, hi = 0, k  # a[:lo] == b[:lo] in words; the first difference is in [lo, hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[8 * lo : 8 * mid] == b[8 * lo : 8 * mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _same_keys(keys: list[bytes | None], chain: Chain, i: int, s: int, run: int) -> int:
@@ -332,13 +398,15 @@ def _same_keys(keys: list[bytes | None], chain: Chain, i: int, s: int, run: int)
     return run
 
 
-def _best_slot(v: _V, head: int, node: int) -> int:
-    """`node`'s slot on a holder chain, best tier first; NIL if it holds none."""
+def _best_slot(c: Columns, head: int, node: int) -> int:
+    """`node`'s slot on a holder chain, best tier first; NIL if it holds none (the
+    `array` columns: a scalar read from one is a third of a numpy scalar's cost)."""
     best, s = NIL, head
+    nodes, tiers, bnext = c.node, c.tier, c.bnext
     while s != NIL:
-        if v.node[s] == node and (best == NIL or v.tier[s] < v.tier[best]):
+        if nodes[s] == node and (best == NIL or tiers[s] < tiers[best]):
             best = s
-        s = int(v.bnext[s])
+        s = bnext[s]
     return best
 
 
@@ -393,6 +461,15 @@ def _multi_holder(v: _V, h: Any, exclude: int) -> list[tuple[int, Any]]:
 def packed_records(table: Table, slots: Sequence[int]) -> PackedRecords:
     if isinstance(slots, range) and slots.step == 1:
         return _packed_run(table.col, slots.start, slots.stop)
+    if isinstance(slots, Runs):
+        c, rs = table.col, slots.ranges
+        return PackedRecords(
+            b"".join([_le(c.addr, r.start, r.stop) for r in rs]),
+            b"".join([_le(c.length, r.start, r.stop) for r in rs]),
+            b"".join([_le(c.rkey, r.start, r.stop) for r in rs]),
+            b"".join([_le(c.gen, r.start, r.stop) for r in rs]),
+            b"".join([c.tier[r.start : r.stop].tobytes() for r in rs]),
+        )
     s = np.asarray(slots, dtype=np.int64)
     n = len(s)
     if n and int(s[-1]) - int(s[0]) == n - 1 and (n < 3 or bool((np.diff(s) == 1).all())):
@@ -416,12 +493,12 @@ def _packed_run(c: Columns, a: int, b: int) -> PackedRecords:
     )  # fmt: skip
 
 
-def _le(col: Any, a: int, b: int) -> bytes:
+def _le(col: array[int], a: int, b: int) -> bytes:
     """Little-endian bytes of col[a:b] (arrays are native-endian)."""
     part = col[a:b]
     if not _LITTLE:
         part.byteswap()
-    return bytes(part.tobytes())
+    return part.tobytes()
 
 
 _LITTLE = sys.byteorder == "little"

@@ -18,7 +18,6 @@ Thread-safety: none here; the Raft adapter serialises `apply` against reads.
 from __future__ import annotations
 
 import hashlib
-import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -78,7 +77,7 @@ class Match:
     node: NodeState
     slots: Sequence[int] = field(default_factory=list)
     """Slot of each prefix block (from lookups: a `range` for one run of consecutive
-    slots, else an int64 numpy array)."""
+    slots, a `lookup.Runs` for several, else an int64 numpy array)."""
 
     @property
     def prefix_blocks(self) -> int:
@@ -172,24 +171,6 @@ class Columns:
 
     def __len__(self) -> int:
         return len(self.key)
-
-
-def _fingerprints(hashes: list[bytes], widths: set[int]) -> array[int]:
-    """`Columns.fp` of each hash: its first 8 bytes as a big-endian u64, zero-padded.
-
-    Hashes of 8 bytes or more (every engine's) take one join and a byte swap
-    instead of an int built per hash, which was half of a fresh publish's apply."""
-    out = array("Q")
-    if widths == {8}:
-        out.frombytes(b"".join(hashes))
-    elif widths and min(widths) > 8:
-        out.frombytes(b"".join([h[:8] for h in hashes]))
-    else:
-        out.extend([int.from_bytes(h[:8].ljust(8, b"\0"), "big") for h in hashes])
-        return out
-    if sys.byteorder == "little":
-        out.byteswap()
-    return out
 
 
 class Table:
@@ -399,7 +380,7 @@ class Table:
         c.node.extend(array("I", (nidx,)) * n)  # a repeated array: one memcpy per column
         c.ns.extend(array("I", (ns,)) * n)
         c.bnext.extend(array("I", (NIL,)) * n)
-        c.fp.extend(_fingerprints(cmd.hashes, widths))
+        c.fp.extend(prefix_lookup.fingerprints(cmd.hashes, widths))
         c.kw.frombytes(bytes(map(len, cmd.hashes)))
         c.key.extend(cmd.hashes)
         # Node list: the batch's last entry becomes the head (as one-by-one inserts
@@ -418,7 +399,7 @@ class Table:
         """Take a slot, owned by `node`, linked at the head of the node's list."""
         c = self.col
         s = self.free
-        fp = int.from_bytes(key[:8].ljust(8, b"\0"), "big")
+        fp = prefix_lookup.fingerprint(key)
         if s != NIL:
             self.free = c.bnext[s]
             c.key[s] = key

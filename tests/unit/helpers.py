@@ -7,11 +7,13 @@ the helpers describe behaviour, not layout.
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 from kvdir.directory import snapshot
 from kvdir.directory.commands import Publish, Published, Registered, RegisterNode, Result, Tier
-from kvdir.directory.table import Table
+from kvdir.directory.lookup import PackedRecords
+from kvdir.directory.table import Records, Table
 
 NS = "model\x1fbf16\x1f16\x1fnhd\x1f0/1"
 """A namespace key shaped like the ones `validate.namespace_key` builds."""
@@ -141,13 +143,27 @@ def must_publish(
 def view(
     t: Table, chain_: list[bytes], *, ns: str = NS, max_nodes: int = 64, exclude: str = ""
 ) -> View:
-    """`t.lookup(...)` as plain data, records included."""
+    """`t.lookup(...)` as plain data, records included; the wire form of each
+    match's records (what the Lookup RPC and mirrors send) must say the same."""
     out: View = []
     for m in t.lookup(ns, chain_, max_nodes, exclude):
         r = t.records(m.slots)
+        assert t.packed_records(m.slots) == packed(r), f"wire records of {m.node.node_id}"
         rows = tuple(zip(r.addresses, r.lengths, r.rkeys, r.generations, r.tiers, strict=True))
         out.append((m.node.node_id, m.prefix_blocks, rows))
     return out
+
+
+def packed(r: Records) -> PackedRecords:
+    """`r` in the wire form, packed one value at a time (the slow, obvious way)."""
+    n = len(r.addresses)
+    return PackedRecords(
+        struct.pack(f"<{n}Q", *r.addresses),
+        struct.pack(f"<{n}I", *r.lengths),
+        struct.pack(f"<{n}I", *r.rkeys),
+        struct.pack(f"<{n}Q", *r.generations),
+        bytes(r.tiers),
+    )
 
 
 def holders(t: Table, chain_: list[bytes], ns: str = NS) -> list[tuple[str, int]]:
