@@ -90,6 +90,14 @@ class _Writer:
         return b"".join(self.parts)
 
 
+_COLUMN_CODES = "BHIQ"
+_WIRE_SIZE = {c: struct.calcsize("<" + c) for c in _COLUMN_CODES}
+"""Bytes per value of a column code on the wire (standard sizes, little-endian)."""
+_ARRAY_SIZE = {c: array(c).itemsize for c in _COLUMN_CODES}
+"""Bytes per value of that code in an `array` here: where it differs from the wire
+(a platform whose C int is not 4 bytes) columns are unpacked by `struct` instead."""
+
+
 class _Reader:
     __slots__ = ("buf", "pos")
 
@@ -124,8 +132,9 @@ class _Reader:
             raise CodecError("string is not UTF-8") from e
 
     def column(self, code: str, n: int) -> list[int]:
-        raw = self.take(struct.calcsize(f"<{n}{code}"))
-        if array(code).itemsize != struct.calcsize(code):
+        size = _WIRE_SIZE[code]
+        raw = self.take(n * size)
+        if _ARRAY_SIZE[code] != size:
             return list(struct.unpack(f"<{n}{code}", raw))
         col = array(code, raw)  # one copy, then ints: half of unpacking to a tuple first
         if sys.byteorder != "little":
