@@ -462,14 +462,7 @@ def packed_records(table: Table, slots: Sequence[int]) -> PackedRecords:
     if isinstance(slots, range) and slots.step == 1:
         return _packed_run(table.col, slots.start, slots.stop)
     if isinstance(slots, Runs):
-        c, rs = table.col, slots.ranges
-        return PackedRecords(
-            b"".join([_le(c.addr, r.start, r.stop) for r in rs]),
-            b"".join([_le(c.length, r.start, r.stop) for r in rs]),
-            b"".join([_le(c.rkey, r.start, r.stop) for r in rs]),
-            b"".join([_le(c.gen, r.start, r.stop) for r in rs]),
-            b"".join([c.tier[r.start : r.stop].tobytes() for r in rs]),
-        )
+        return _packed_runs(table.col, slots.ranges)
     s = np.asarray(slots, dtype=np.int64)
     n = len(s)
     if n and int(s[-1]) - int(s[0]) == n - 1 and (n < 3 or bool((np.diff(s) == 1).all())):
@@ -487,23 +480,38 @@ def packed_records(table: Table, slots: Sequence[int]) -> PackedRecords:
 def _packed_run(c: Columns, a: int, b: int) -> PackedRecords:
     """Records of slots a..b-1 (a run of consecutive slots, the usual answer): plain
     memory copies."""
+    if not _LITTLE:
+        return _packed_runs(c, (range(a, b),))
     return PackedRecords(
-        _le(c.addr, a, b), _le(c.length, a, b), _le(c.rkey, a, b), _le(c.gen, a, b),
-        c.tier[a:b].tobytes(),
+        c.addr[a:b].tobytes(), c.length[a:b].tobytes(), c.rkey[a:b].tobytes(),
+        c.gen[a:b].tobytes(), c.tier[a:b].tobytes(),
     )  # fmt: skip
 
 
-def _le(col: array[int], a: int, b: int) -> bytes:
-    """Little-endian bytes of col[a:b] (arrays are native-endian)."""
-    part = col[a:b]
-    if not _LITTLE:
-        part.byteswap()
-    return part.tobytes()
+def _packed_runs(c: Columns, rs: Sequence[range]) -> PackedRecords:
+    """Records of several runs of consecutive slots: per column, the runs' memory
+    joined (byte-swapped to little-endian on a big-endian host)."""
+    return PackedRecords(
+        _le(c.addr, rs), _le(c.length, rs), _le(c.rkey, rs), _le(c.gen, rs),
+        b"".join([c.tier[r.start : r.stop].tobytes() for r in rs]),
+    )  # fmt: skip
+
+
+def _le(col: array[int], rs: Sequence[range]) -> bytes:
+    """Little-endian bytes of `col` over the runs `rs` (arrays are native-endian)."""
+    if _LITTLE:
+        return b"".join([col[r.start : r.stop].tobytes() for r in rs])
+    out = array(col.typecode)
+    for r in rs:
+        out.extend(col[r.start : r.stop])
+    out.byteswap()
+    return out.tobytes()
 
 
 _LITTLE = sys.byteorder == "little"
 
 
 def sort_matches(matches: list[Match], max_nodes: int) -> list[Match]:
-    matches.sort(key=lambda m: (-len(m.slots), m.node.node_id))
+    if len(matches) > 1:  # most prefixes have one holder: no key tuples to build
+        matches.sort(key=lambda m: (-len(m.slots), m.node.node_id))
     return matches[:max_nodes]

@@ -10,7 +10,9 @@ A `Mirror` fed by a Watch stream from the follower the lookup phase measured
 3. lag: publishes of new blocks offered at `LAG_ENTRIES_PER_S` through the
    leader from the bench's client processes; per acknowledged publish, from
    its acknowledgement until the mirror's applied index reached its index
-   (negative: the mirror had it first).
+   (negative: the mirror had it first). The same at the lower rates of
+   `LAG_SWEEP_ENTRIES_PER_S` first, each with the machine's CPU use, so the
+   report shows where on this host the lag leaves the target and why.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from kvdir.v1 import directory_pb2 as pb
 
 START_TIMEOUT_S = 600.0
 LAG_ENTRIES_PER_S = 100_000
+LAG_SWEEP_ENTRIES_PER_S = (25_000, 50_000)
+"""Lower offered rates measured before the target's (info rows, not goals)."""
 LAG_BATCH_ENTRIES = 1000
 LAG_SENDER_PROCS = 2
 LAG_THREADS_PER_PROC = 4
@@ -90,12 +94,12 @@ def lookups(b: Bench, m: Mirror) -> dict[str, Any]:
     return out
 
 
-def lag_requests(b: Bench) -> list[bytes]:
-    """The lag phase's publishes, built before it starts: new 8-byte blocks (the
-    product's width), one filler-node batch each."""
-    rng = random.Random(b.cfg.seed * 7919 + 17)
+def lag_requests(b: Bench, rate: int) -> list[bytes]:
+    """The lag phase's publishes at `rate` entries/s, built before it starts: new
+    8-byte blocks (the product's width), one filler-node batch each."""
+    rng = random.Random(b.cfg.seed * 7919 + 17 + rate)
     n = LAG_BATCH_ENTRIES
-    count = round(LAG_ENTRIES_PER_S * LAG_DURATION_S / n)
+    count = round(rate * LAG_DURATION_S / n)
     return [
         pb.PublishRequest(
             node_id=FILLER_NODE,
@@ -112,15 +116,15 @@ def lag_requests(b: Bench) -> list[bytes]:
     ]
 
 
-def lag(b: Bench, m: Mirror) -> dict[str, Any]:
-    """Publishes offered at LAG_ENTRIES_PER_S; per ack, how long until the mirror had it.
+def lag(b: Bench, m: Mirror, rate: int = LAG_ENTRIES_PER_S) -> dict[str, Any]:
+    """Publishes offered at `rate` entries/s; per ack, how long until the mirror had it.
 
     The publishers are the bench's client processes (as agents on other nodes
     would be), so this process holds only the mirror and the sampler of its
     applied index; the ack times and the sampler's share the monotonic clock."""
-    reqs = lag_requests(b)
+    reqs = lag_requests(b, rate)
     procs = max(1, min(b.pool.size, LAG_SENDER_PROCS))
-    interval = LAG_BATCH_ENTRIES / LAG_ENTRIES_PER_S
+    interval = LAG_BATCH_ENTRIES / rate
     start_at = time.time() + 1.0
     tasks = [
         CallTask(
@@ -153,6 +157,8 @@ def lag(b: Bench, m: Mirror) -> dict[str, Any]:
 
     w = threading.Thread(target=sample, daemon=True)
     w.start()
+    busy0, total0, _ = b.cpu.totals()
+    term0 = _max_term(b)
     try:
         res = b.pool.run(tasks, timeout_s=LAG_DURATION_S + 120)
         acks = sorted(x for r in res for x in r.stamps)
@@ -163,10 +169,14 @@ def lag(b: Bench, m: Mirror) -> dict[str, Any]:
     finally:
         stop.set()
         w.join(5)
+    busy1, total1, _ = b.cpu.totals()
+    term1 = _max_term(b)
     window = max(r.finished for r in res) - min(r.started for r in res)
     lags = [_first_seen(seen, idx) - t for idx, t in acks]
     return {
-        "target_entries_per_s": LAG_ENTRIES_PER_S,
+        "target_entries_per_s": rate,
+        "machine_cpu_busy": (busy1 - busy0) / (total1 - total0) if total1 > total0 else 0.0,
+        "terms_started": term1 - term0,  # > 0: an election (a stall of the publishes)
         "achieved_entries_per_s": sum(r.summed for r in res) / window if window > 0 else 0.0,
         "publishes": len(acks),
         "publish_errors": merge_errors(res),
@@ -177,6 +187,11 @@ def lag(b: Bench, m: Mirror) -> dict[str, Any]:
         "lag_ms_max": max(lags) / 1e6 if lags else 0.0,
         "never_seen": sum(idx > m.applied_index for idx, _ in acks),
     }
+
+
+def _max_term(b: Bench) -> int:
+    """The highest Raft term any replica reports (it grows by one per election started)."""
+    return max((st.term for st in b.statuses().values()), default=0)
 
 
 def _first_seen(seen: list[tuple[int, int]], index: int) -> int:
@@ -198,11 +213,16 @@ def run(b: Bench) -> None:
             f"{lk['message']['chains_per_s']:.0f} chains/s (routing form "
             f"{lk['holders']['chains_per_s']:.0f}/s)"
         )
-        lg = lag(b, m)
-        say(
-            f"  lag p99 {lg['lag_ms']['p99_ms']:.1f} ms at "
-            f"{lg['achieved_entries_per_s']:.0f} entries/s"
-        )
+        sweep = []
+        lower = () if b.cfg.quick else LAG_SWEEP_ENTRIES_PER_S  # a smoke run: the target only
+        for rate in (*lower, LAG_ENTRIES_PER_S):
+            lg = lag(b, m, rate)
+            say(
+                f"  lag p99 {lg['lag_ms']['p99_ms']:.1f} ms at "
+                f"{lg['achieved_entries_per_s']:.0f} entries/s (offered {rate:,}), "
+                f"machine CPU busy {lg['machine_cpu_busy']:.2f}, elections {lg['terms_started']}"
+            )
+            sweep.append(lg)
     finally:
         sync.stop()
     b.results["mirror"] = {
@@ -211,6 +231,7 @@ def run(b: Bench) -> None:
         "entries": m.table.entries,
         "lookups": lk,
         "lag": lg,
+        "lag_sweep": sweep,
         "snapshots": m.snapshots,
     }
 
@@ -265,7 +286,8 @@ def context(r: dict[str, Any]) -> dict[str, Any]:
         return {}
     forms = {"message": "full message (the Lookup RPC's)", "holders": "routing (holders)"}
     rows = [{"form": label, "x": mi["lookups"][k]} for k, label in forms.items()]
-    return {"mi": mi, "mirror_rows": rows}
+    sweep = mi.get("lag_sweep") or [mi["lag"]]
+    return {"mi": mi, "mirror_rows": rows, "lag_rows": sweep}
 
 
 SECTION = Section(
@@ -297,7 +319,33 @@ SECTION = Section(
             "{mi[lag][achieved_entries_per_s]:,.0f} entries/s committed; from each ack to the "
             "mirror's applied index reaching it: p50 {mi[lag][lag_ms][p50_ms]} ms, p99 "
             "{mi[lag][lag_ms][p99_ms]} ms, max {mi[lag][lag_ms_max]} ms. Failed publishes "
-            "{mi[lag][publishes_failed]}; acks the mirror never reached {mi[lag][never_seen]}."
+            "{mi[lag][publishes_failed]}; acks the mirror never reached {mi[lag][never_seen]}. "
+            "The same at lower offered rates (the last row is the one above); 'CPU busy' is "
+            "the whole machine's share during the rate's window, 'elections' the Raft terms "
+            "started in it (each one stalls the publishes for an election):"
+        ),
+        Table(
+            (
+                "offered entries/s",
+                "committed entries/s",
+                "lag p50 ms",
+                "lag p99 ms",
+                "lag max ms",
+                "machine CPU busy",
+                "elections",
+                "failed",
+            ),
+            (
+                "{target_entries_per_s:,}",
+                "{achieved_entries_per_s:,.0f}",
+                "{lag_ms[p50_ms]}",
+                "{lag_ms[p99_ms]}",
+                "{lag_ms_max}",
+                "{machine_cpu_busy:.2f}",
+                "{terms_started}",
+                "{publishes_failed}",
+            ),
+            "lag_rows",
         ),
     ),
 )
