@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, overload
 import numpy as np
 
 if TYPE_CHECKING:
+    from kvdir.directory.block_index import BlockIndex
     from kvdir.directory.table import Columns, Match, Table
 
 NIL = 0xFFFFFFFF
@@ -259,9 +260,7 @@ def _holder_starts(c: Columns, head: int, exclude: int) -> list[tuple[int, int]]
     return list(best.items())
 
 
-def _follow_runs(
-    v: _V, blocks: dict[bytes, int], c: Columns, chain: Chain, ns: int, s0: int
-) -> Any:
+def _follow_runs(v: _V, blocks: BlockIndex, c: Columns, chain: Chain, ns: int, s0: int) -> Any:
     """Prefix of node(s0), a holder of block 0: follow runs of consecutive slots.
 
     A holder that published a chain in one batch stored it in consecutive
@@ -319,7 +318,7 @@ def prefix_lengths(
         return [(n, _run_length(v, blocks, c, chain, ns, s)) for n, s in starts]
 
 
-def _run_length(v: _V, blocks: dict[bytes, int], c: Columns, chain: Chain, ns: int, s0: int) -> int:
+def _run_length(v: _V, blocks: BlockIndex, c: Columns, chain: Chain, ns: int, s0: int) -> int:
     """As `_follow_runs`, counting the prefix's blocks instead of listing its slots."""
     n, node = len(chain), c.node[s0]
     nslots = len(c.key)

@@ -32,6 +32,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import numpy.typing as npt
 
+from kvdir.directory.block_index import BlockIndex
 from kvdir.directory.consensus.sync import REAL, Syncer, replace_durably
 from kvdir.directory.table import NIL, Columns, NodeState, Table
 
@@ -323,9 +324,7 @@ def _restore_meta(table: Table, header: dict[str, Any], heads: list[array[int]])
     table.ns_names = list(header["namespaces"])
     table.ns_ids = {name: i for i, name in enumerate(table.ns_names)}
     keys = table.col.key
-    table.blocks = []
-    for h in heads:
-        table.blocks.append({keys[s]: s for s in h})  # type: ignore[misc]
+    table.blocks = [BlockIndex.of(keys, h) for h in heads]
     for idx, rec in enumerate(header["nodes"]):
         if rec is None:
             table.node_by_idx.append(None)

@@ -26,6 +26,7 @@ from typing import ClassVar
 
 from kvdir.core.wire import HASH_BYTES_MAX
 from kvdir.directory import lookup as prefix_lookup
+from kvdir.directory.block_index import BlockIndex
 from kvdir.directory.commands import (
     Barrier,
     ClearNode,
@@ -182,7 +183,7 @@ class Table:
         self.entries = 0
         self.ns_ids: dict[str, int] = {}
         self.ns_names: list[str] = []
-        self.blocks: list[dict[bytes, int]] = []
+        self.blocks: list[BlockIndex] = []
         self.nodes: dict[str, NodeState] = {}
         self.node_by_idx: list[NodeState | None] = []
         self.node_idx: dict[str, int] = {}
@@ -278,7 +279,7 @@ class Table:
             ns = len(self.ns_names)
             self.ns_ids[namespace] = ns
             self.ns_names.append(namespace)
-            self.blocks.append({})
+            self.blocks.append(BlockIndex())
         return ns
 
     def _publish(self, cmd: Publish) -> Result:
@@ -351,9 +352,9 @@ class Table:
         return Published(applied, stale)
 
     @staticmethod
-    def _fresh(blocks: dict[bytes, int], hashes: list[bytes]) -> bool:
+    def _fresh(blocks: BlockIndex, hashes: list[bytes]) -> bool:
         """No block of the batch is known yet and none repeats (C-level checks)."""
-        return len(set(hashes)) == len(hashes) and blocks.keys().isdisjoint(hashes)
+        return len(set(hashes)) == len(hashes) and blocks.isdisjoint(hashes)
 
     def _append_fresh(
         self, cmd: Publish, ns: int, nidx: int, node: NodeState, widths: set[int]
@@ -393,7 +394,7 @@ class Table:
         node.head = start + n - 1
         node.entries += n
         self.entries += n
-        self.blocks[ns].update(zip(cmd.hashes, range(start, start + n), strict=True))
+        self.blocks[ns].add_run(cmd.hashes, start)
 
     def _alloc(self, ns: int, key: bytes, nidx: int, node: NodeState) -> int:
         """Take a slot, owned by `node`, linked at the head of the node's list."""
@@ -464,7 +465,7 @@ class Table:
         c.bnext[s] = self.free
         self.free = s
 
-    def _unlink_block(self, blocks: dict[bytes, int], key: bytes, s: int) -> None:
+    def _unlink_block(self, blocks: BlockIndex, key: bytes, s: int) -> None:
         """Remove slot `s` from the holder chain of `key`."""
         c = self.col
         head = blocks[key]
@@ -482,7 +483,7 @@ class Table:
         if c.bnext[head] == NIL:
             c.solo[head] = 1
 
-    def _evict_oldest_holder(self, blocks: dict[bytes, int], key: bytes, head: int) -> None:
+    def _evict_oldest_holder(self, blocks: BlockIndex, key: bytes, head: int) -> None:
         # New holders go to the head, so the tail is the longest-standing one.
         c = self.col
         s = head
