@@ -1,11 +1,13 @@
-"""Prefix lookups over a `Table`'s slot columns, vectorised with numpy.
+"""Prefix lookups over a `Table`'s slot columns.
 
 A lookup of a 500-block chain is on the hot path of every request a scheduler
 routes, and per-block Python work (a dict probe, then column reads that each
-create a Python int) cost more than the RPC around it. So after one C-level
-pass of dict probes for the chain heads, everything else (the holder walk,
-the prefix cut, the record gathers) runs on numpy views of the columns, and
-records leave as packed little-endian bytes, never as Python ints.
+create a Python int) cost more than the RPC around it. So the work is per
+*run* of consecutive slots, not per block: C-level compares of the columns'
+bytes accept a whole run, and records leave as packed little-endian bytes
+sliced from the columns, never as Python ints. Chains of mixed hash widths
+and the rare repairs (a block held in two tiers, a run whose node or
+namespace columns differ) use numpy views of the columns instead.
 
 Invariant: a numpy view exports the `array` buffer it views, and an exported
 `array` cannot grow (BufferError). Views are therefore made and dropped inside
