@@ -91,7 +91,7 @@ def capture(table: Table) -> Image:
     return Image(
         arrays=[a[:] for a in c.arrays()],
         keys=c.key[:],
-        heads=[list(b.values()) for b in table.blocks],
+        heads=[b.values() for b in table.blocks],
         meta=meta,
     )
 
