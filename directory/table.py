@@ -6,8 +6,9 @@ replica) and reads time only from the commands. Lookups are pure reads.
 
 Layout, chosen for memory (<= 200 bytes per (block, holder) entry at 10M) and
 cheap snapshots: holder records live in *slots*, parallel `array` columns
-indexed by slot number. Per namespace a dict maps a block hash to the first
-slot of its holder chain (singly linked through ``bnext``); per node a doubly
+indexed by slot number. Per namespace a `BlockIndex` (a dict split in 256:
+block_index.py says why) maps a block hash to the first slot of its holder
+chain (singly linked through ``bnext``); per node a doubly
 linked list (``nprev``/``nnext``) threads all of its slots, so clearing or
 expiring a node costs its own entries, not the table's. Freed slots are
 reused through a free list chained through ``bnext``.
@@ -353,7 +354,7 @@ class Table:
 
     @staticmethod
     def _fresh(blocks: BlockIndex, hashes: list[bytes]) -> bool:
-        """No block of the batch is known yet and none repeats (C-level checks)."""
+        """No block of the batch is known yet and none repeats (a set, one probe per hash)."""
         return len(set(hashes)) == len(hashes) and blocks.isdisjoint(hashes)
 
     def _append_fresh(
