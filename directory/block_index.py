@@ -2,8 +2,9 @@
 
 CPython grows a dict by rehashing all of its keys in one call, holding the
 GIL. With one dict per namespace, the insert that crossed a size threshold
-stalled `Table.apply` for 134 ms at 1.4M blocks, 249 ms at 2.8M and 581 ms
-at 5.6M (1,000-entry publishes on the 2-core bench host). A replica applies
+stalled `Table.apply` for 123 ms at 1.4M blocks, 277 ms at 2.8M and 521 ms
+at 5.6M (1,000-entry publishes on the 2-core bench host;
+bench/results/apply-stalls-2026-12-02.md). A replica applies
 on its Raft thread, so at that log index every replica stopped sending and
 answering heartbeats for longer than the 150-300 ms election timeout, and
 each mirror's lag jumped by the same stall. Split by the hash's last byte
@@ -80,8 +81,7 @@ class BlockIndex:
         return chain.from_iterable(self._shards)
 
     def values(self) -> list[int]:
-        """Every head slot, as one list (a snapshot's capture: an extend per shard is a
-        tenth of the time of iterating a chained iterator)."""
+        """Every head slot, as one list (what a snapshot's capture stores)."""
         out: list[int] = []
         for d in self._shards:
             out.extend(d.values())
