@@ -110,6 +110,7 @@ class PeerCache:
     peers: dict[tuple[str, str], Peer] = field(default_factory=dict)
     cooldown: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    closed: bool = False
 
     def healthy(self, node_id: str) -> bool:
         return self.cooldown.get(node_id, 0.0) <= time.monotonic()
@@ -122,21 +123,31 @@ class PeerCache:
             peer.close()
 
     def close(self) -> None:
-        """Close every cached channel (agent shutdown)."""
+        """Close every cached channel (agent shutdown); later gets are refused."""
         with self.lock:
+            self.closed = True
             peers, self.peers = list(self.peers.values()), {}
         for peer in peers:
             peer.close()
 
     def get(self, node_id: str, endpoint: str) -> Peer:
+        """The cached peer, else a fresh handshake. The handshake runs outside
+        the lock (it is a network round trip), so two fetches can race to it:
+        the first stored wins and the other's channel is closed, never dropped
+        open. A fetch still running when the agent stops closes its own."""
+        key = (node_id, endpoint)
         with self.lock:
-            peer = self.peers.get((node_id, endpoint))
+            peer = self.peers.get(key)
         if peer is not None:
             return peer
-        peer = self._handshake(node_id, endpoint)
+        fresh = self._handshake(node_id, endpoint)
         with self.lock:
-            self.peers[(node_id, endpoint)] = peer
-        return peer
+            kept = None if self.closed else self.peers.setdefault(key, fresh)
+        if kept is not fresh:
+            fresh.close()
+        if kept is None:
+            raise TransferError(f"not fetching from {node_id}: the agent is stopping")
+        return kept
 
     def _handshake(self, node_id: str, endpoint: str) -> Peer:
         with self.security.channel(endpoint) as ch:

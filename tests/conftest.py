@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +27,15 @@ def _no_network_in_unit_tiers(
 
         monkeypatch.setattr(socket.socket, "connect", refuse)
         monkeypatch.setattr(socket.socket, "bind", refuse)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _leaks_named_by_module() -> Iterator[None]:
+    """A socket a module's tests left open (one only a collection frees) is
+    found at the end of that module, so the failure names the module. Left to
+    the interpreter's last collection it fails the whole run and names nothing."""
+    yield
+    gc.collect()
 
 
 @pytest.fixture

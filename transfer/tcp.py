@@ -248,11 +248,16 @@ class TcpChannel(Channel):
         if self._sock is None:
             try:
                 s = socket.create_connection(self.endpoint, timeout=self.connect_timeout_s)
+            except OSError as e:
+                raise PeerUnavailable(f"cannot connect to {self.endpoint}: {e}") from e
+            try:
+                _tune(s)
                 if self.tls is not None:
+                    # A failed handshake closes the socket it was given.
                     s = self.tls.wrap_socket(s, server_hostname=self.endpoint[0])
             except OSError as e:  # ssl.SSLError included: a refused certificate
+                s.close()
                 raise PeerUnavailable(f"cannot connect to {self.endpoint}: {e}") from e
-            _tune(s)
             self._sock = s
         return self._sock
 

@@ -82,9 +82,7 @@ def reader(
             engine.close()
         if daemon.fetcher is not None:
             daemon.fetcher.after_data = None
-            for peer in list(daemon.fetcher.peers.peers.values()):
-                peer.channel.close()  # AgentDaemon.stop leaves them open
-        daemon.stop()
+        daemon.stop()  # closes the peer channels it cached
 
 
 def _hook(reader: Reader, action: Callable[[], None]) -> list[int]:
