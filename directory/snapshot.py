@@ -34,7 +34,7 @@ import numpy.typing as npt
 
 from kvdir.directory.block_index import BlockIndex
 from kvdir.directory.consensus.sync import REAL, Syncer, replace_durably
-from kvdir.directory.table import NIL, Columns, NodeState, Table
+from kvdir.directory.table import NIL, Columns, NodeState, Table, untracked
 
 MAGIC = b"KVDSNAP\x00"
 FORMAT_VERSION = 2  # 2: fingerprint, key-width and sole-holder columns
@@ -90,7 +90,7 @@ def capture(table: Table) -> Image:
     }
     return Image(
         arrays=[a[:] for a in c.arrays()],
-        keys=c.key[:],
+        keys=untracked(c.key[:]),  # a snapshot of a big table lives for seconds
         heads=[b.values() for b in table.blocks],
         meta=meta,
     )

@@ -7,6 +7,7 @@ the helpers describe behaviour, not layout.
 
 from __future__ import annotations
 
+import gc
 import struct
 from pathlib import Path
 
@@ -145,6 +146,7 @@ def view(
 ) -> View:
     """`t.lookup(...)` as plain data, records included; the wire form of each
     match's records (what the Lookup RPC and mirrors send) must say the same."""
+    assert not gc.is_tracked(t.col.key), "the key column is walked by the cyclic GC"
     out: View = []
     for m in t.lookup(ns, chain_, max_nodes, exclude):
         r = t.records(m.slots)
