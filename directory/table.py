@@ -33,7 +33,7 @@ from typing import ClassVar, cast
 
 from kvdir.core.wire import HASH_BYTES_MAX
 from kvdir.directory import lookup as prefix_lookup
-from kvdir.directory.block_index import BlockIndex, shards_of
+from kvdir.directory.block_index import BlockIndex
 from kvdir.directory.commands import (
     Barrier,
     ClearNode,
@@ -119,14 +119,13 @@ def untracked(keys: list[bytes | None]) -> list[bytes | None]:
     """`keys`, no longer walked by the cyclic garbage collector.
 
     A full collection visits every element of every tracked list, and each
-    visit reads the element's type, a cache miss per key scattered over the
-    heap. At 2.4M entries that made every full collection of a replica cost
-    25 ms on an idle process and 490-590 ms under a 100k entries/s publish
-    load (the Raft thread, heartbeats and Watch streams all stopped: longer
-    than an election timeout). Safe because the list only ever holds bytes
-    and None, which hold no references and so cannot be part of a cycle;
-    CPython never tracks a list again once it is untracked, and frees it by
-    reference count as before."""
+    visit reads the element's type: a cache miss per key, the keys being
+    scattered over the heap. With 2.4M entries a full collection took 25 ms
+    (2 ms without the key list), growing with the table and holding the GIL
+    of a replica's Raft thread or of a mirror's host process all along.
+    Safe because the list only ever holds bytes and None, which hold no
+    references and so cannot be part of a cycle; CPython never tracks a list
+    again once it is untracked, and frees it by reference count as before."""
     if _GC_UNTRACK is not None:
         _GC_UNTRACK(keys)
     return keys
@@ -344,11 +343,9 @@ class Table:
         ns = self._ns(cmd.namespace)
         blocks = self.blocks[ns]
         nidx = self.node_idx[cmd.node_id]
-        if self.free == NIL and n > 1:
-            where = shards_of(cmd.hashes, widths)
-            if self._fresh(blocks, cmd.hashes, where):
-                self._append_fresh(cmd, ns, nidx, node, widths, where)
-                return Published(n, 0)
+        if self.free == NIL and n > 1 and self._fresh(blocks, cmd.hashes):
+            self._append_fresh(cmd, ns, nidx, node, widths)
+            return Published(n, 0)
         tier = cmd.tier
         c = self.col
         cnode, ctier, cnext, cgen = c.node, c.tier, c.bnext, c.gen
@@ -399,19 +396,12 @@ class Table:
         return Published(applied, stale)
 
     @staticmethod
-    def _fresh(blocks: BlockIndex, hashes: list[bytes], where: list[int]) -> bool:
-        """No block of the batch is known yet and none repeats (a set, one probe per hash);
-        `where` is each hash's shard."""
-        return len(set(hashes)) == len(hashes) and blocks.isdisjoint(hashes, where)
+    def _fresh(blocks: BlockIndex, hashes: list[bytes]) -> bool:
+        """No block of the batch is known yet and none repeats (a set, one probe per hash)."""
+        return len(set(hashes)) == len(hashes) and blocks.isdisjoint(hashes)
 
     def _append_fresh(
-        self,
-        cmd: Publish,
-        ns: int,
-        nidx: int,
-        node: NodeState,
-        widths: set[int],
-        where: list[int],
+        self, cmd: Publish, ns: int, nidx: int, node: NodeState, widths: set[int]
     ) -> None:
         """Bulk insert of a batch of new blocks: one extend per column.
 
@@ -448,7 +438,7 @@ class Table:
         node.head = start + n - 1
         node.entries += n
         self.entries += n
-        self.blocks[ns].add_run(cmd.hashes, start, where)
+        self.blocks[ns].add_run(cmd.hashes, start)
 
     def _alloc(self, ns: int, key: bytes, nidx: int, node: NodeState) -> int:
         """Take a slot, owned by `node`, linked at the head of the node's list."""
