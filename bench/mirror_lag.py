@@ -23,9 +23,9 @@ import time
 from typing import Any
 
 from bench.directory import config, mirror, publish
-from bench.directory.cluster import PUBLISH, Bench, make_cluster, merge_errors
+from bench.directory.cluster import Bench, make_cluster, merge_errors
 from bench.measure import say
-from bench.workers import CallTask, WorkerPool
+from bench.workers import WorkerPool
 
 PRELOAD_THREADS = 4
 PRELOAD_TIMEOUT_S = 900.0
@@ -36,24 +36,8 @@ def preload(b: Bench, entries: int) -> dict[str, Any]:
     reqs = mirror.lag_requests(b, round(entries / mirror.LAG_DURATION_S))
     procs = max(1, b.pool.size)
     t0 = time.perf_counter()
-    res = b.pool.run(
-        [
-            CallTask(
-                b.leader().grpc_address,
-                PUBLISH,
-                "PublishResponse",
-                reqs[w::procs],
-                time.time() + 0.5,
-                0.0,
-                len(reqs),
-                threads=PRELOAD_THREADS,
-                timeout_s=30.0,
-                sum_field="applied",
-            )
-            for w in range(procs)
-        ],
-        timeout_s=PRELOAD_TIMEOUT_S,
-    )
+    tasks = publish._tasks(b, b.leader().grpc_address, reqs, procs, PRELOAD_THREADS)
+    res = b.pool.run(tasks, timeout_s=PRELOAD_TIMEOUT_S)
     failed = sum(r.failed for r in res)
     if failed:
         raise RuntimeError(f"{failed} preload publishes failed: {merge_errors(res)}")
