@@ -22,7 +22,7 @@ from kvdir.agent.config import AgentConfig, PoolConfig
 from kvdir.agent.daemon import AgentDaemon
 from kvdir.agent.engine_client import EngineClient
 from kvdir.agent.pool import STORED
-from kvdir.core.client import DirectoryClient
+from kvdir.core.client import DirectoryClient, records
 from kvdir.core.wire import namespace_key
 from kvdir.local import LOOPBACK, LocalCluster, free_ports, wait_for
 from tests.agent.conftest import Trio
@@ -83,6 +83,38 @@ def reader(
         if daemon.fetcher is not None:
             daemon.fetcher.after_data = None
         daemon.stop()  # closes the peer channels it cached
+
+
+def _wait_generation(
+    cluster: LocalCluster,
+    directory: DirectoryClient,
+    chain: list[bytes],
+    j: int,
+    generation: int,
+    reader: Reader,
+) -> None:
+    """Wait until every replica has node a's record of block j at `generation`,
+    then until the reader's mirror (when it has one) has applied what they have."""
+
+    def replicas_have_it() -> bool:
+        for address in cluster.grpc_addresses:
+            resp = directory.lookup(NS, chain, address=address)
+            match = next((m for m in resp.matches if m.node_id == "a"), None)
+            if match is None or match.prefix_blocks <= j:
+                return False
+            if records(match).generations[j] != generation:
+                return False
+        return True
+
+    wait_for(replicas_have_it, WAIT_S, f"every replica to have block {j} at {generation}")
+    mirror = reader.daemon.mirror
+    if mirror is not None:
+        need = max(directory.status(a).applied_index for a in cluster.grpc_addresses)
+        wait_for(
+            lambda: mirror.mirror.applied_index >= need,
+            WAIT_S,
+            f"the reader's mirror to apply index {need}",
+        )
 
 
 def _hook(reader: Reader, action: Callable[[], None]) -> list[int]:
@@ -179,7 +211,10 @@ def test_an_eviction_during_the_fetch_ends_the_valid_prefix(
         agent_cluster, directory, chain, "a", BLOCKS if restore else j, readers=[reader.engine]
     )
     if restore:
-        # Re-stored under a new generation: the new bytes are what a fetch now gets.
+        # Re-stored under a new generation: the new bytes are what a fetch now gets,
+        # once the reader's directory has the new record (the prefix was BLOCKS
+        # before the eviction too, so the wait above may have passed on the old).
+        _wait_generation(agent_cluster, directory, chain, j, after.generation, reader)
         again = reader.engine.fetch(NS, chain, dst)
         assert (again.valid_blocks, again.invalidated) == (BLOCKS, 0)
         assert slot_bytes(reader.engine, dst[j]) == b"\xee" * SLOT_BYTES

@@ -43,6 +43,7 @@ import pytest
 import yaml
 
 from kvdir.directory.consensus.journal import LOG_FILE
+from kvdir.local import ClusterError, wait_for
 from tests.deploy.test_k8s import K8S_VERSION
 from tests.image import cluster, image, kube
 from tests.image import podman as pm
@@ -366,12 +367,23 @@ def test_kube_play_of_the_directory_manifest(
         assert out[out.index("CapEff:") + 1] == "0000000000000000"
         assert LOG_FILE in out  # the claim's volume holds the replica's Raft log
         fqdn = kube.dns_name(kube.one(rendered, "StatefulSet"), 0, NAMESPACE)
-        st = json.loads(
-            podman("exec", container, "kvdir", "ctl", "status", "--json", "--addr",
-                   f"{fqdn}:7101").stdout
-        )  # fmt: skip
-        (only,) = st.values()
-        assert only["role"] == "ROLE_LEADER" and only["replica_id"] == pod["metadata"]["name"]
+        seen: list[dict[str, Any]] = []
+
+        def leads() -> bool:
+            st = json.loads(
+                podman("exec", container, "kvdir", "ctl", "status", "--json", "--addr",
+                       f"{fqdn}:7101").stdout
+            )  # fmt: skip
+            seen[:] = list(st.values())
+            return len(seen) == 1 and seen[0]["role"] == "ROLE_LEADER"
+
+        # Healthy means serving; the lone replica elects itself a moment later (after
+        # its start-up grace and one election timeout), which a fast host can beat.
+        try:
+            wait_for(leads, cluster.START_TIMEOUT_S, "the lone replica to lead", 0.2)
+        except ClusterError as e:
+            raise AssertionError(f"{e}; its status last said {seen}") from None
+        assert seen[0]["replica_id"] == pod["metadata"]["name"]
         podman("pod", "stop", "--time", str(cluster.STOP_GRACE_S), pod["metadata"]["name"],
                timeout_s=cluster.STOP_GRACE_S + 60)  # fmt: skip
         assert podman.inspect(container, "{{.State.ExitCode}}") == "0"
