@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 import time
@@ -49,7 +50,7 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
     config.add_arguments(p)
     base = tempfile.mkdtemp(prefix="kvdir-mirror-lag-")
     cfg = config.resolve(p.parse_args(["--entries", "1000", "--skip-memory", "--out-dir", base]))
-    out: dict[str, Any] = {"preload_target": a.preload, "rate": a.rate, "runs": []}
+    out: dict[str, Any] = {"preload_target": a.preload, "rate": a.rate, "dir": base, "runs": []}
     with WorkerPool(cfg.clients) as pool:
         cluster = make_cluster(base, cfg)
         b = Bench(cfg, cluster, pool)
@@ -83,6 +84,9 @@ def measure(a: argparse.Namespace) -> dict[str, Any]:
         finally:
             b.close()
             cluster.stop()
+    # The replicas' journals are ~0.5 GB at the default preload; kept (with their
+    # logs) only when the run failed, since an error names the logs in it.
+    shutil.rmtree(base, ignore_errors=True)
     return out
 
 

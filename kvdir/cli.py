@@ -29,6 +29,7 @@ from typing import Any
 from kvdir import ops, secflags, tools
 from kvdir.core.client import DirectoryClient, DirectoryError, namespace
 from kvdir.core.config import ConfigError, read_toml
+from kvdir.core.gc_freeze import freeze_startup
 from kvdir.core.security import ClientSecurity, SecurityConfigError
 from kvdir.directory.config import DirectoryConfig, from_dict, parse_peer
 from kvdir.directory.consensus.tuning import RaftTuning
@@ -113,6 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         daemon.start()
     except (StartError, JournalCorrupt, TermFileCorrupt) as e:
         raise CliError(str(e)) from e
+    freeze_startup("directory")
     _until_signal()
     daemon.stop()
     return 0
@@ -196,6 +198,7 @@ def cmd_agent_serve(args: argparse.Namespace) -> int:
     except AgentStartError as e:
         daemon.stop(deregister=False)
         raise CliError(str(e)) from e
+    freeze_startup("agent")
     _until_signal()
     daemon.stop()
     return 0

@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvdir.agent.pull_hint import HEADER as PULL_HEADER
 from kvdir.agent.pull_hint import ROUTE_HEADER, PullHint
+from kvdir.core.gc_freeze import freeze_startup
 from kvdir.core.mirror import Mirror
 from kvdir.core.mirror_sync import MirrorSync
 from kvdir.gateway.backends import Backend, BackendPool
@@ -521,6 +522,7 @@ def serve(cfg: GatewayConfig) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         await gw.start()
+        freeze_startup("gateway")
         try:
             await stop.wait()
         finally:

@@ -38,6 +38,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
+from kvdir.core.gc_freeze import freeze_startup
 from kvdir.gateway.config import GatewayConfig
 
 log = logging.getLogger("kvdir.gateway")
@@ -94,6 +95,7 @@ async def _serve(cfg: GatewayConfig, index: int, conn: Connection) -> None:
     loop.add_reader(conn.fileno(), stop.set)  # the parent never writes: readable = it is gone
     try:
         await gw.start()  # binds the shared port (and this worker's own) or raises
+        freeze_startup("gateway")
         conn.send((READY, ""))
         await stop.wait()
     finally:

@@ -43,6 +43,7 @@ def test_small_preload_and_one_lag_run() -> None:
     assert run["never_seen"] == 0
     assert run["entries_after"] - run["entries_before"] == 40 * run["batch_entries"]
     assert run["lag_ms"]["n"] == 40
+    assert not Path(out["dir"]).exists()  # a run that succeeded leaves no journals behind
 
 
 def test_bad_input_is_one_line() -> None:

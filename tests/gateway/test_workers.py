@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -65,6 +66,11 @@ def _daemon(cfg: Path, log: Path) -> Iterator[subprocess.Popen[bytes]]:
                 proc.wait(10)
 
 
+def _frozen(log: Path) -> list[int]:
+    """The object counts of the start-up freeze records (kvdir/core/gc_freeze.py) in the log."""
+    return [int(n) for n in re.findall(r"kvdir\.gc froze (\d+) start-up objects", log.read_text())]
+
+
 def _served(port: int) -> float:
     return metric(port, "kvdir_gateway_requests_total", {"endpoint": "completions"})
 
@@ -78,6 +84,10 @@ def test_two_workers_serve_one_port_and_stop_on_sigterm(backends: Backends, tmp_
         wait_for(lambda: _up(port) and _up(base) and _up(base + 1), 60, "both workers")
         for w in (0, 1):  # each worker's own port says which worker it is
             assert metric(base + w, "kvdir_gateway_worker", {"worker": str(w)}) == 1
+        # Each worker froze its start-up objects before it said it was ready.
+        # (aiohttp, grpc, protobuf and the gateway: tens of thousands of objects each)
+        frozen = _frozen(tmp_path / "gw.log")
+        assert len(frozen) == 2 and min(frozen) > 10_000, (tmp_path / "gw.log").read_text()
         sent = 0
         while sent < REQUESTS_MAX and not (_served(base) and _served(base + 1)):
             r = call(port, "POST", "/v1/completions", {"model": MODEL, "prompt": [sent]})

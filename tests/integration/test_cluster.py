@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import json
 import threading
 
 import grpc
@@ -296,6 +297,32 @@ def test_list_nodes(shared_cluster: LocalCluster, client: DirectoryClient) -> No
             42,
         )
         assert n.lease_expiry_ms > 0
+
+
+def _frozen_objects(log_path: str) -> int:
+    """The `frozen_objects` of the replica's start-up freeze record (0: not logged yet)."""
+    with open(log_path) as f:
+        for line in f:
+            if '"kvdir.gc"' in line:
+                rec = json.loads(line)
+                if rec.get("component") == "directory":
+                    return int(rec["frozen_objects"])
+    return 0
+
+
+def _freeze_logged(log_path: str) -> bool:
+    return _frozen_objects(log_path) > 0
+
+
+@pytest.mark.timeout(60)
+def test_every_replica_freezes_its_start_up_objects(shared_cluster: LocalCluster) -> None:
+    """`kvdir directory serve` takes its start-up objects out of the collector's walks
+    once serving (kvdir/core/gc_freeze.py: a full walk of them stalled the Raft thread)."""
+    for r in shared_cluster.replicas:
+        logged = functools.partial(_freeze_logged, r.log_path)
+        wait_for(logged, 20, f"{r.replica_id}'s freeze record")
+        # gRPC, protobuf, pysyncobj and the daemon: tens of thousands of objects.
+        assert _frozen_objects(r.log_path) > 10_000, r.replica_id
 
 
 @pytest.mark.timeout(60)
