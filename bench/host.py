@@ -30,21 +30,25 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
+def _machine_ticks() -> list[int]:
+    """The machine's CPU time per mode so far (/proc/stat's first line), in ticks."""
+    with open("/proc/stat") as f:
+        return [int(v) for v in f.readline().split()[1:]]
+
+
 def machine_cpu() -> tuple[float, float]:
     """(busy, total) CPU seconds of the whole machine so far."""
-    with open("/proc/stat") as f:
-        vals = [int(v) for v in f.readline().split()[1:]]
+    vals = _machine_ticks()
     total = sum(vals[:8])
     idle = vals[3] + vals[4]
     return (total - idle) / _TICK, total / _TICK
 
 
-def machine_system_cpu_s() -> float:
-    """The whole machine's CPU seconds in the kernel so far (system, irq and softirq):
-    among them the zeroing of every fresh page a process faults in."""
-    with open("/proc/stat") as f:
-        vals = [int(v) for v in f.readline().split()[1:]]
-    return (vals[2] + vals[5] + vals[6]) / _TICK
+def machine_kernel_cpu() -> tuple[float, float]:
+    """(in kernel, total) CPU seconds of the whole machine so far; 'in kernel' is system,
+    irq and softirq time: among it the zeroing of every fresh page a process faults in."""
+    vals = _machine_ticks()
+    return (vals[2] + vals[5] + vals[6]) / _TICK, sum(vals[:8]) / _TICK
 
 
 FIRST_TOUCH_MIB = 32
@@ -67,7 +71,8 @@ def first_touch_us_per_page(mib: int = FIRST_TOUCH_MIB) -> float:
 
 
 def busy_share(c0: tuple[float, float], c1: tuple[float, float]) -> float:
-    """The machine's busy share between two `machine_cpu()` readings."""
+    """The share of the machine between two `machine_cpu()` (busy) or `machine_kernel_cpu()`
+    (in kernel) readings."""
     total = c1[1] - c0[1]
     return (c1[0] - c0[0]) / total if total > 0 else math.nan
 

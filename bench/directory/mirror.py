@@ -168,7 +168,7 @@ def lag(b: Bench, m: Mirror, rate: int = LAG_ENTRIES_PER_S) -> dict[str, Any]:
     w = threading.Thread(target=sample, daemon=True)
     w.start()
     busy0, total0, _ = b.cpu.totals()
-    sys0, all0 = host.machine_system_cpu_s(), host.machine_cpu()[1]
+    kernel0 = host.machine_kernel_cpu()
     term0 = _max_term(b)
     try:
         res = b.pool.run(tasks, timeout_s=LAG_DURATION_S + 120)
@@ -181,14 +181,14 @@ def lag(b: Bench, m: Mirror, rate: int = LAG_ENTRIES_PER_S) -> dict[str, Any]:
         stop.set()
         w.join(5)
     busy1, total1, _ = b.cpu.totals()
-    sys1, all1 = host.machine_system_cpu_s(), host.machine_cpu()[1]
+    kernel1 = host.machine_kernel_cpu()
     term1 = _max_term(b)
     window = max(r.finished for r in res) - min(r.started for r in res)
     lags = [_first_seen(seen, idx) - t for idx, t in acks]
     return {
         "target_entries_per_s": rate,
         "machine_cpu_busy": (busy1 - busy0) / (total1 - total0) if total1 > total0 else 0.0,
-        "machine_cpu_system": (sys1 - sys0) / (all1 - all0) if all1 > all0 else 0.0,
+        "machine_cpu_system": host.busy_share(kernel0, kernel1),
         "first_touch_us_per_page": touch_us,
         "terms_started": term1 - term0,  # > 0: an election (a stall of the publishes)
         "achieved_entries_per_s": sum(r.summed for r in res) / window if window > 0 else 0.0,

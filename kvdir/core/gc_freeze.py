@@ -5,7 +5,7 @@ worker) holds some 40-100k GC-tracked objects from its start-up: modules'
 functions, classes and dicts, gRPC, protobuf and aiohttp internals. None of
 them ever becomes garbage, yet every full collection walks them all while
 holding the GIL. On the 2-core bench host a full collection of a replica took
-42-76 ms (47k objects), and under 100k entries/s of publishes each replica
+16-76 ms (47k objects), and under 100k entries/s of publishes each replica
 ran one every 10-20 s: its Raft thread, Watch streams and RPCs stopped for
 that long, and a mirror behind it lagged by as much. `kvdir bench directory`'s
 mirror lag p99 was 144 and 105 ms in two of three runs without this and 16.5
