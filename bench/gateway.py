@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import collections
 import datetime as dt
+import http.client
 import json
 import math
 import random
@@ -66,8 +67,10 @@ def _wait_http(url: str, timeout_s: float) -> None:
             with urllib.request.urlopen(url, timeout=1) as r:
                 if r.status == 200:
                     return
-        except OSError as e:
-            last = str(e)
+        except (OSError, http.client.HTTPException) as e:
+            # HTTPException: polling a port nobody listens on yet can connect the socket to
+            # itself (TCP self-connect in the ephemeral range), which reads its own request.
+            last = f"{type(e).__name__}: {e}"
         time.sleep(0.05)
     raise RuntimeError(f"{url} did not answer 200 within {timeout_s} s: {last}")
 
