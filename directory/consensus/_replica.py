@@ -20,6 +20,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from pysyncobj import SyncObjConf, replicated
@@ -32,7 +33,7 @@ from kvdir.directory.commands import Command, Result
 from kvdir.directory.consensus.durable import DurableSyncObj
 from kvdir.directory.consensus.fixes import RaftEntry, rejection_hint, trim_append_entries
 from kvdir.directory.consensus.pysyncobj_log import DUMP_FILE
-from kvdir.directory.consensus.sync import Durability
+from kvdir.directory.consensus.sync import REAL, Durability, Syncer
 from kvdir.directory.consensus.transport import FencedTransport
 from kvdir.directory.consensus.tuning import RaftTuning
 from kvdir.directory.table import Table
@@ -44,6 +45,28 @@ _FOLLOWER = 0  # pysyncobj's _RAFT_STATE.FOLLOWER
 _LEADER = 2  # pysyncobj's _RAFT_STATE.LEADER
 
 Listener = Callable[[int, Command, Result], None]
+
+
+def _in_a_thread(job: Callable[[], None]) -> None:
+    threading.Thread(target=job, name="kvdir-snapshot", daemon=True).start()
+
+
+@dataclass(frozen=True, slots=True)
+class Hooks:
+    """What a replica does I/O and background work with; production's by default.
+
+    The seeded simulator (bench/sim) swaps these to drive real replicas tick by
+    tick: its own transport class, no tick thread, a syncer that records what
+    is durable, and background jobs (the dump writer) run when the seed says.
+    """
+
+    transport_class: type = FencedTransport
+    auto_tick: bool = True
+    syncer: Syncer = REAL
+    background: Callable[[Callable[[], None]], None] = _in_a_thread
+
+
+PRODUCTION = Hooks()
 
 
 def label_kwargs(label: Any) -> dict[str, str]:
@@ -75,11 +98,12 @@ def make_conf(
         raftMaxTimeout=tuning.election_max_s,
         connectionTimeout=tuning.connection_timeout_s,
         connectionRetryTime=tuning.election_min_s,  # redial idle follower links at once
+        autoTick=replica.hooks.auto_tick,
         autoTickPeriod=tuning.tick_period_s,
         dnsCacheTime=tuning.dns_cache_s,
         dnsFailCacheTime=min(tuning.dns_cache_s, 30.0),
         leaderFallbackTimeout=tuning.leader_fallback_s,
-        journalFile=replica.open_durable_journal(data_dir, durability),
+        journalFile=replica.open_durable_journal(data_dir, durability, replica.hooks.syncer),
         fullDumpFile=replica.dump_path,
         serializer=replica._serialize,
         deserializer=replica._deserialize,
@@ -110,7 +134,9 @@ class Replica(DurableSyncObj):
         password: str | None,
         bind_address: str,
         durability: Durability = Durability.POWER_LOSS,
+        hooks: Hooks = PRODUCTION,
     ) -> None:
+        self.hooks = hooks
         self.kvdir_cluster_id = cluster_id  # read by FencedTransport
         os.makedirs(data_dir, exist_ok=True)
         self.lock = threading.Lock()
@@ -133,7 +159,7 @@ class Replica(DurableSyncObj):
         self._election_s = (tuning.election_min_s, tuning.election_max_s)
         self._next_keepalive = 0.0
         self._reject_floor: int | None = None
-        super().__init__(self_address, peer_addresses, conf, transportClass=FencedTransport)
+        super().__init__(self_address, peer_addresses, conf, transportClass=hooks.transport_class)
         self._SyncObj__raftElectionDeadline = raft_clock() + tuning.startup_grace_s
         self._joining = join
         """Never campaign before a leader has been heard from (a replica being added)."""
@@ -159,7 +185,7 @@ class Replica(DurableSyncObj):
             else:
                 self._SyncObj__raftElectionDeadline = raft_clock() + self._leader_loss_spread_s + 1
         super()._onTick(timeToWait)
-        now = time.monotonic()
+        now = raft_clock()
         if now >= self._next_keepalive:
             self._next_keepalive = now + self._keepalive_s
             transport = self._SyncObj__transport
@@ -309,12 +335,8 @@ class Replica(DurableSyncObj):
             },
         }
         capture_s = time.perf_counter() - t0
-        threading.Thread(
-            target=self._write_dump,
-            name="kvdir-snapshot",
-            daemon=True,
-            args=(image, raft, [entry_last, entry_prev], t0, capture_s),
-        ).start()
+        entries = [entry_last, entry_prev]
+        self.hooks.background(lambda: self._write_dump(image, raft, entries, t0, capture_s))
 
     def _write_dump(
         self,
@@ -325,7 +347,7 @@ class Replica(DurableSyncObj):
         capture_s: float,
     ) -> None:
         try:
-            snapshot.write(image, self.dump_path, raft, entries)
+            snapshot.write(image, self.dump_path, raft, entries, self.hooks.syncer)
             state = SERIALIZER_STATE.SUCCESS
             self.last_compaction_s = time.perf_counter() - t0
             self.compactions += 1

@@ -43,7 +43,7 @@ from kvdir.directory.consensus.pysyncobj_journal import (
     open_journal,
     register,
 )
-from kvdir.directory.consensus.sync import Durability, fsync_dir
+from kvdir.directory.consensus.sync import REAL, Durability, Syncer
 
 log = logging.getLogger("kvdir.directory.journal")
 
@@ -63,14 +63,14 @@ def stop_on_journal_failure(error: BaseException) -> None:
     os._exit(EXIT_JOURNAL_FAILED)
 
 
-def sync_file(path: str) -> None:
-    """fsync an existing file and its directory (a file another library wrote and renamed)."""
+def sync_file(path: str, syncer: Syncer = REAL) -> None:
+    """Sync an existing file and its directory (a file another library wrote and renamed)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        syncer.file(fd)
     finally:
         os.close(fd)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    syncer.directory(os.path.dirname(os.path.abspath(path)))
 
 
 class DurableSyncObj(SyncObj):  # type: ignore[misc]
@@ -79,9 +79,12 @@ class DurableSyncObj(SyncObj):  # type: ignore[misc]
     kvdir_journal: KvdirJournal
     _kvdir_acks: AckGate
 
-    def open_durable_journal(self, data_dir: str, durability: Durability) -> str:
+    def open_durable_journal(
+        self, data_dir: str, durability: Durability, syncer: Syncer = REAL
+    ) -> str:
         """Open (or migrate) the journal of `data_dir`; returns the SyncObjConf journalFile."""
-        journal = open_journal(data_dir, durability)
+        journal = open_journal(data_dir, durability, syncer)
+        self._kvdir_syncer = syncer
         journal.on_failure = stop_on_journal_failure
         journal.commit_waits_for_sync = lambda: self._SyncObj__raftState == _LEADER
         path = os.path.join(data_dir, LOG_FILE)
@@ -124,7 +127,7 @@ class DurableSyncObj(SyncObj):  # type: ignore[misc]
     def _SyncObj__loadDumpFile(self, clearJournal: bool) -> None:  # noqa: N802, N803
         dump = self._SyncObj__conf.fullDumpFile
         if dump and os.path.isfile(dump):
-            sync_file(dump)  # before the log it replaces is cleared
+            sync_file(dump, self._kvdir_syncer)  # before the log it replaces is cleared
         super()._SyncObj__loadDumpFile(clearJournal)
 
 
