@@ -114,6 +114,10 @@ class WatchLimits:
     then the call is cancelled, so a hung reader never holds a worker thread."""
     snapshots_inflight_max: int = 2
     """Snapshots being captured and streamed at once (each copies the table's columns)."""
+    snapshot_share_ms: int = 500
+    """Watch starts within this long of a capture share it (and its one copy of the
+    columns): a fleet of mirrors restarting together costs one capture. Far shorter
+    than the history lasts under load, so the shared capture's index is still covered."""
 
 
 # One command always fits one event, and one event one gRPC message.

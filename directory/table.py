@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import sys
+import threading
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -218,10 +219,33 @@ class Columns:
         return len(self.key)
 
 
+Row = tuple[int | bytes | None, ...]
+"""One slot's value in every column: the numeric ones in `Columns.ARRAYS` order, then the key."""
+
+
+@dataclass(eq=False, slots=True)
+class Freeze:
+    """The table as it was at `Table.freeze`, kept by copy-on-write until `Table.thaw`.
+
+    Only a slot below `slots` that changes after the freeze costs anything: its
+    whole row, as it was, goes into `undo` the first time, before it changes.
+    Whoever copies the columns later (on any thread) and then overwrites every
+    slot of `undo` with its saved row gets the table as frozen (snapshot.py)."""
+
+    arrays: list[array[int]]
+    """The table's own numeric columns (live: they keep changing)."""
+    keys: list[bytes | None]
+    slots: int
+    undo: dict[int, Row] = field(default_factory=dict)
+
+
 class Table:
     """The replicated prefix table. See the module docstring for the layout."""
 
     def __init__(self) -> None:
+        self.frozen: tuple[Freeze, ...] = ()
+        """Captures still being copied (see `freeze`); empty almost always."""
+        self._freeze_lock = threading.Lock()
         self.col = Columns()
         self.free = NIL
         self.entries = 0
@@ -232,6 +256,32 @@ class Table:
         self.node_by_idx: list[NodeState | None] = []
         self.node_idx: dict[str, int] = {}
         self.free_node_idx: list[int] = []
+
+    # ------------------------------------------------------------ copy-on-write
+
+    def freeze(self) -> Freeze:
+        """Start a capture: O(1), between two applies. From now on every slot below
+        the current slot count keeps its current row in the returned `Freeze`
+        until `thaw` (the caller copies the live columns meanwhile, on any thread)."""
+        f = Freeze(self.col.arrays(), self.col.key, len(self.col))
+        with self._freeze_lock:
+            self.frozen = (*self.frozen, f)
+        return f
+
+    def thaw(self, f: Freeze) -> None:
+        """End a capture (idempotent): its slots change freely again."""
+        with self._freeze_lock:
+            self.frozen = tuple(x for x in self.frozen if x is not f)
+
+    def _keep(self, s: int) -> None:
+        """Slot `s` is about to change: save its row for every capture that has not yet.
+
+        Every in-place write below to a slot that may predate a freeze is preceded
+        by this (guarded by `if self.frozen`, so it costs one test otherwise); a
+        missed call would let a snapshot mix two table states."""
+        for f in self.frozen:
+            if s < f.slots and s not in f.undo:
+                f.undo[s] = (*(a[s] for a in f.arrays), f.keys[s])
 
     # ----------------------------------------------------------------- apply
 
@@ -364,6 +414,8 @@ class Table:
                 if gen < cgen[s] and c.addr[s] == cmd.addresses[i]:
                     stale += 1
                     continue
+                if self.frozen:
+                    self._keep(s)
                 c.addr[s], c.length[s], c.rkey[s], cgen[s] = (
                     cmd.addresses[i],
                     cmd.lengths[i],
@@ -385,6 +437,9 @@ class Table:
             )
             cnext[s] = head
             sib = self._sibling(head, nidx)
+            if self.frozen:
+                self._keep(sib)  # NIL is never below a freeze's slot count
+                self._keep(head)
             if sib != NIL:
                 c.dual[s] = c.dual[sib] = 1
             if head == NIL:
@@ -434,6 +489,8 @@ class Table:
         c.nnext.extend(chain((old_head,), range(start, start + n - 1)))
         c.nprev.extend(chain(range(start + 1, start + n), (NIL,)))
         if old_head != NIL:
+            if self.frozen:
+                self._keep(old_head)
             c.nprev[old_head] = start
         node.head = start + n - 1
         node.entries += n
@@ -445,6 +502,9 @@ class Table:
         c = self.col
         s = self.free
         fp = prefix_lookup.fingerprint(key)
+        if self.frozen:
+            self._keep(s)
+            self._keep(node.head)
         if s != NIL:
             self.free = c.bnext[s]
             c.key[s] = key
@@ -485,16 +545,22 @@ class Table:
     def _release(self, s: int) -> None:
         """Unlink slot `s` from its node's list and free it (block chain done by caller)."""
         c = self.col
+        prev, nxt = c.nprev[s], c.nnext[s]
+        if self.frozen:
+            self._keep(s)
+            self._keep(prev)
+            self._keep(nxt)
         if c.dual[s]:
             key = c.key[s]
             assert key is not None
             sib = self._sibling(self.blocks[c.ns[s]].get(key, NIL), c.node[s])
             if sib != NIL:
+                if self.frozen:
+                    self._keep(sib)
                 c.dual[sib] = 0
             c.dual[s] = 0
         node = self.node_by_idx[c.node[s]]
         assert node is not None, "slot owned by a forgotten node"
-        prev, nxt = c.nprev[s], c.nnext[s]
         if prev != NIL:
             c.nnext[prev] = nxt
         else:
@@ -523,8 +589,12 @@ class Table:
             p = head
             while c.bnext[p] != s:
                 p = c.bnext[p]
+            if self.frozen:
+                self._keep(p)
             c.bnext[p] = c.bnext[s]
         if c.bnext[head] == NIL:
+            if self.frozen:
+                self._keep(head)
             c.solo[head] = 1
 
     def _evict_oldest_holder(self, blocks: BlockIndex, key: bytes, head: int) -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import io
 import logging
 import threading
+import time
+import weakref
 from collections.abc import Iterator
 
 import grpc
@@ -34,7 +36,7 @@ from kvdir.directory.commands import (
     Remove,
     Result,
 )
-from kvdir.directory.consensus.port import Consensus
+from kvdir.directory.consensus.port import Capture, Consensus
 from kvdir.directory.limits import WatchLimits
 from kvdir.directory.watch_hub import Batch, CutOff, Refused, Watcher, WatchHub
 from kvdir.v1 import directory_pb2 as pb
@@ -68,6 +70,10 @@ class WatchService:
         self.limits = limits
         self.hub = WatchHub(limits, self._applied_index)
         self._snapshots = threading.BoundedSemaphore(limits.snapshots_inflight_max)
+        self._capture_lock = threading.Lock()
+        self._shared: tuple[weakref.ref[Capture], float] | None = None
+        """The latest capture while a start still uses it, and when it was taken
+        (time.monotonic), for `_capture`. Weak: a copied table is freed with its last user."""
 
     def attach(self) -> None:
         """Follow the replica's applies and snapshot installs from now on."""
@@ -141,18 +147,21 @@ class WatchService:
                 f"{self.limits.snapshots_inflight_max} watch snapshots in flight; retry soon",
             )
         try:
-            cap = self.consensus.capture(CAPTURE_TIMEOUT_S)
+            cap = self._capture()
         except TimeoutError as e:
             raise Refused("UNAVAILABLE", "replica-busy", str(e)) from e
         finally:
             self._snapshots.release()
         # Commands applied since the capture are in the history (it holds far more
         # than one capture's worth), so the watcher starts exactly at `index`.
-        image, index = cap.image, cap.index
+        index = cap.index
         opened = self.hub.open_from(index, nss, self._commit_index())
         if opened is None:
+            with self._capture_lock:
+                self._shared = None  # too old for the history: no later start may use it
             raise Refused("UNAVAILABLE", "replica-busy", "commands outran the history; retry")
         try:
+            image = cap.image  # the columns are copied here, once per capture
             if nss is not None:  # the watcher gets only what its stream will update
                 image = snapshot.restrict(image, nss)
             buf = io.BytesIO()
@@ -161,6 +170,20 @@ class WatchService:
             self.hub.close(opened)
             raise
         return opened, self._chunks(buf.getvalue(), index)
+
+    def _capture(self) -> Capture:
+        """A capture for a Watch start: the latest one while another start still
+        uses it and it is younger than `snapshot_share_ms`, else a new one. Starts
+        that come while one is being taken wait for it and share it (and its copy)."""
+        share_s = self.limits.snapshot_share_ms / 1000
+        with self._capture_lock:
+            if self._shared is not None and time.monotonic() - self._shared[1] < share_s:
+                cap = self._shared[0]()
+                if cap is not None:
+                    return cap
+            cap = self.consensus.capture(CAPTURE_TIMEOUT_S)
+            self._shared = (weakref.ref(cap), time.monotonic())
+            return cap
 
     def _commit_index(self) -> int:
         return self.consensus.status().commit_index

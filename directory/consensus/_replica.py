@@ -316,7 +316,7 @@ class Replica(DurableSyncObj):
     # ------------------------------------------------------------- snapshots
 
     def _serialize(self, _tmp_file: str, data: tuple[Any, Any, Any]) -> None:
-        """pysyncobj's compaction hook, on the Raft thread: capture, then write elsewhere.
+        """pysyncobj's compaction hook, on the Raft thread: freeze, then copy and write elsewhere.
 
         pysyncobj renames `_tmp_file` into place as soon as this returns; we
         leave it absent (so that rename fails harmlessly) and publish the dump
@@ -327,7 +327,7 @@ class Replica(DurableSyncObj):
         with self._snap_lock:
             self._snap_state = SERIALIZER_STATE.SERIALIZING
         entry_last, entry_prev, cluster = data
-        image = snapshot.capture(self.table)
+        frozen = snapshot.freeze(self.table)  # O(nodes): the copy is the writer's
         raft = {
             "cluster": sorted(str(n.address) for n in cluster),
             "labels": {
@@ -336,17 +336,18 @@ class Replica(DurableSyncObj):
         }
         capture_s = time.perf_counter() - t0
         entries = [entry_last, entry_prev]
-        self.hooks.background(lambda: self._write_dump(image, raft, entries, t0, capture_s))
+        self.hooks.background(lambda: self._write_dump(frozen, raft, entries, t0, capture_s))
 
     def _write_dump(
         self,
-        image: snapshot.Image,
+        frozen: snapshot.Frozen,
         raft: dict[str, Any],
         entries: list[snapshot.RaftEntry],
         t0: float,
         capture_s: float,
     ) -> None:
         try:
+            image = frozen.image()
             snapshot.write(image, self.dump_path, raft, entries, self.hooks.syncer)
             state = SERIALIZER_STATE.SUCCESS
             self.last_compaction_s = time.perf_counter() - t0

@@ -227,9 +227,9 @@ class MemoryReplica(Consensus):
     def capture(self, timeout_s: float) -> Capture:
         c = self.cluster
         with c.lock, self.lock:
-            image = snapshot.capture(self.table)
+            frozen = snapshot.freeze(self.table)
             term = c.log[self.applied - 1][0] if self.applied else 0
-            return Capture(image, self.applied, term, self.member_addresses())
+            return Capture(frozen, self.applied, term, self.member_addresses())
 
     def add_apply_listener(
         self, fn: ApplyListener, on_install: InstallListener | None = None

@@ -18,7 +18,8 @@ Verbs of `Consensus` (every other method is built on them):
 - `add_member` / `remove_member`: a membership change, outcome by callback.
 - `transfer_leadership()`: ask the leader to hand over to a caught-up follower.
 - `capture(timeout_s)`: a `Capture` of the table taken between two applies,
-  with the applied index and term it reflects.
+  with the applied index and term it reflects. Taking it costs the consensus
+  thread O(nodes); its `image` is copied on first use, on the caller's thread.
 - `add_apply_listener(fn, on_install)`: `fn(index, command, result)` runs on
   the consensus thread after each command is applied, in index order, holding
   no lock, before `status().applied_index` counts it. Indexes have gaps: Raft's
@@ -107,13 +108,18 @@ class Member:
     """Labels recorded when the member was added at run time ("" when none)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class Capture:
-    image: snapshot.Image
+    frozen: snapshot.Frozen
     index: int
     """The applied index the image reflects (every entry up to it, none after)."""
     term: int
     members: list[str]
+
+    @property
+    def image(self) -> snapshot.Image:
+        """The captured table, copied on first use (never call it on the consensus thread)."""
+        return self.frozen.image()
 
 
 ApplyListener = Callable[[int, Command, Result], None]

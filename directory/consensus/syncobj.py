@@ -245,8 +245,8 @@ class RaftConsensus(Consensus):
             idx = int(r.raftLastApplied)
             entry = r.entry_at(idx)
             with r.lock:
-                image = snapshot.capture(r.table)
-            box.append(Capture(image, idx, entry[2] if entry else 0, self.member_addresses()))
+                frozen = snapshot.freeze(r.table)
+            box.append(Capture(frozen, idx, entry[2] if entry else 0, self.member_addresses()))
             done.set()
 
         r.addOnTickCallback(on_tick)
