@@ -1,0 +1,113 @@
+"""What the simulator checks after every step (and at the end of a run).
+
+- `leaders`: at most one leader per term, over the whole run.
+- `committed`: the committed log is one log. When a replica's commit index
+  covers an entry, the entry it holds there must be the one every other
+  replica had there when they committed it (term and bytes), and a replica
+  must never cut an entry at or below its own commit index, nor cut an
+  entry that matches the committed one (Raft truncates only at the first
+  conflicting entry); the cut is seen by wrapping the journal's
+  `deleteEntriesFrom`.
+- `digests`: replicas at the same applied index have the same table digest.
+
+A violation is a `Violation` (kind, step, detail); the run records it and
+goes on, so one seed can show several.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+_LEADER = 2  # pysyncobj's _RAFT_STATE.LEADER
+
+
+@dataclass(frozen=True, slots=True)
+class Violation:
+    kind: str
+    step: int
+    detail: str
+
+    def __str__(self) -> str:
+        return f"step {self.step}: {self.kind}: {self.detail}"
+
+
+def fingerprint(entry: tuple[bytes, int, int]) -> tuple[int, int]:
+    """(term, CRC-32 of the command): enough to tell two entries at one index apart."""
+    return entry[2], zlib.crc32(bytes(entry[0]))
+
+
+@dataclass
+class Invariants:
+    report: Callable[[str, str], None]
+    leaders: dict[int, str] = field(default_factory=dict)
+    committed: dict[int, tuple[int, int]] = field(default_factory=dict)
+    digests: dict[int, tuple[bytes, str]] = field(default_factory=dict)
+
+    def leader(self, address: str, role: int, term: int) -> None:
+        if role != _LEADER:
+            return
+        first = self.leaders.setdefault(term, address)
+        if first != address:
+            self.report("two_leaders", f"term {term}: {first} and {address}")
+
+    def commit(self, address: str, r: Any, since: int) -> int:
+        """Compare entries (since, commit index] of `r` with the committed log; returns
+        the commit index checked up to."""
+        commit = int(r.raftCommitIndex)
+        last = r.last_log_index()
+        for idx in range(since + 1, min(commit, last) + 1):
+            entry = r.entry_at(idx)
+            if entry is None:
+                continue  # compacted into a snapshot before we looked
+            fp = fingerprint(entry)
+            known = self.committed.setdefault(idx, fp)
+            if known != fp:
+                self.report(
+                    "committed_entry_differs",
+                    f"{address} index {idx}: term {fp[0]} where term {known[0]} was committed",
+                )
+        return max(since, commit)
+
+    def cut(self, address: str, r: Any, from_index: int) -> None:
+        """Called before `r`'s journal cuts its log from `from_index` on."""
+        commit = int(r.raftCommitIndex)
+        if from_index <= commit:
+            self.report(
+                "cut_committed", f"{address} cuts from {from_index}, its commit index is {commit}"
+            )
+        entry = r.entry_at(from_index)
+        if entry is not None and self.committed.get(from_index) == fingerprint(entry):
+            self.report(
+                "cut_matching",
+                f"{address} cuts from {from_index}, an entry matching the committed one "
+                f"(term {entry[2]}; commit index {commit})",
+            )
+
+    def digest(self, address: str, applied: int, digest: bytes) -> None:
+        known = self.digests.setdefault(applied, (digest, address))
+        if known[0] != digest:
+            self.report(
+                "digest_differs",
+                f"index {applied}: {address} {digest.hex()[:12]} vs {known[1]} "
+                f"{known[0].hex()[:12]}",
+            )
+
+
+def watch_cuts(r: Any, on_cut: Callable[[int], None]) -> None:
+    """Route `r`'s journal cuts (`deleteEntriesFrom(position)`) through `on_cut(index)` first."""
+    journal = r.kvdir_journal
+    original = journal.deleteEntriesFrom
+
+    def delete_from(pos: int) -> None:
+        entries = journal.log.entries
+        if pos < len(entries):
+            on_cut(int(entries[pos][1]))
+        original(pos)
+
+    journal.deleteEntriesFrom = delete_from
+
+
+__all__ = ["Invariants", "Violation", "fingerprint", "watch_cuts"]
