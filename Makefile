@@ -1,12 +1,14 @@
-# Two commands on a fresh machine (each installs what it needs into .venv):
+# Two commands on a fresh machine (each installs what it needs):
 #   make demo   the main job: a short cluster replay (real directory and agents, simulated GPUs)
-#   make test   lint, types, proto drift, and the test suite
+#   make test   `make check`, then every tier's tools (scripts/install-test-deps.sh), then the rest
+# and the fast gate while developing:
+#   make check  proto drift, ruff, mypy --strict, the unit and simulation tiers (under 3 minutes)
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: rdma rdma-vm bench-rdma demo test lint typecheck proto proto-check unit integration clean
+.PHONY: rdma rdma-vm bench-rdma demo check test test-deps lint typecheck proto proto-check unit integration clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +32,16 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-test: proto-check lint typecheck
-	$(VENV)/bin/pytest -q --durations=30
+# The fast gate: each step stops the run at its first failure.
+check: proto-check lint typecheck unit
+
+# What .ci/run runs: the gate first (minutes), then the installs (the slow part on a fresh
+# machine), then every other tier; scripts/run-tests.sh prints the 30 slowest tests.
+test: check test-deps
+	scripts/run-tests.sh $(VENV)/bin/pytest
+
+test-deps:
+	scripts/install-test-deps.sh
 
 unit: $(STAMP)
 	$(VENV)/bin/pytest -q tests/unit tests/sim

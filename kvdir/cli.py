@@ -18,6 +18,7 @@ Failures print one line, ``kvdir: error: ...``, and exit non-zero.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import signal
@@ -34,9 +35,13 @@ from kvdir.core.security import ClientSecurity, SecurityConfigError
 from kvdir.directory.config import DirectoryConfig, from_dict, parse_peer
 from kvdir.directory.consensus.tuning import RaftTuning
 from kvdir.directory.limits import WatchLimits
+from kvdir.harness import stopped_cleanly
 from kvdir.v1 import directory_pb2 as pb
 
 DEFAULT_ADDRS = "127.0.0.1:7101,127.0.0.1:7102,127.0.0.1:7103"
+HARNESS_COMMANDS = ("demo", "bench", "fuzz")
+"""Commands that start processes and wait on them (kvdir/harness.py); the rest are daemons
+(their own SIGTERM handling) or one-shot clients."""
 
 
 class CliError(Exception):
@@ -765,14 +770,15 @@ def _tool_absent(what: str) -> Callable[[argparse.Namespace], int]:
 
 
 def _add_tool_parsers(sub: Any, with_benchmarks: bool) -> None:
-    """`kvdir fuzz|chaos|bench`: the checkout's tools (bench/), or one line saying why not."""
+    """`kvdir fuzz|sim|chaos|bench`: the checkout's tools (bench/), or one line saying why not."""
     if not tools.available():
-        for what in ("fuzz", "chaos", "bench"):
+        for what in ("fuzz", "sim", "chaos", "bench"):
             sub.add_parser(what, help=f"{what} (needs a source checkout)").set_defaults(
                 func=_tool_absent(what)
             )
         return
     tools.load("bench.fuzz", "fuzz").add_parser(sub)
+    tools.load("bench.sim", "sim").add_parser(sub)
     cs = sub.add_parser(
         "chaos", help="faults on a schedule against a namespaced directory; check the history"
     )
@@ -798,8 +804,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     # benchmark imports can keep `kvdir directory serve` from starting.
     parser = build_parser(with_benchmarks=bool(argv) and argv[0] == "bench")
     args = parser.parse_args(argv)
+    # Harnesses (they start replicas, agents, engines) end all of it on SIGTERM as on ^C.
+    harness = bool(argv) and argv[0] in HARNESS_COMMANDS
     try:
-        rc: int = args.func(args)
+        with stopped_cleanly() if harness else contextlib.nullcontext():
+            rc: int = args.func(args)
         return rc
     except (
         CliError,

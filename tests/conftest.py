@@ -9,9 +9,22 @@ from pathlib import Path
 
 import pytest
 
+from kvdir import harness
 from kvdir.local import LocalCluster
 
 _UNIT_TIERS = ("tests/unit", "tests/sim")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A SIGTERMed run stops as a ^C'd one does: pytest tears every fixture down, so
+    the replicas, agents, engines, VMs and containers they started are stopped."""
+    harness.interrupt_on_sigterm()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The backstop: whatever a test or fixture left running below this process ends
+    with the run (kvdir/harness.py), never outlives it."""
+    harness.end_descendants()
 
 
 @pytest.fixture(autouse=True)

@@ -25,6 +25,7 @@ class BenchEngine(Engine):
         ready = self._read(START_TIMEOUT_S)
         if not ready.get("ready"):
             raise EngineError(f"engine {self.name} did not start: {ready}")
+        self.ready = True
 
     def launch(self) -> None:
         cfg = {

