@@ -162,6 +162,16 @@ def _copy(f: Freeze, meta: dict[str, Any]) -> Image:
     return Image(arrays=arrays, keys=keys, heads=_heads(cols, len(meta["namespaces"])), meta=meta)
 
 
+def drop(image: Image) -> None:
+    """Empty `image`'s key list a chunk at a time (its only owner, once done with it).
+
+    Freeing the list in one go decrefs every key in one C call: 35 ms of GIL
+    at 3M entries, taken from the Raft thread (bench host, 2026-12-03)."""
+    keys = image.keys
+    while keys:
+        del keys[-COPY_CHUNK_SLOTS:]
+
+
 def _heads(c: Columns, namespaces: int) -> list[list[int]]:
     """Each namespace's chain heads, in slot order: the used slots no used slot links to.
 
@@ -428,6 +438,7 @@ __all__ = [
     "Image",
     "SnapshotError",
     "capture",
+    "drop",
     "freeze",
     "load",
     "read",

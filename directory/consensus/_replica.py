@@ -349,6 +349,7 @@ class Replica(DurableSyncObj):
         try:
             image = frozen.image()
             snapshot.write(image, self.dump_path, raft, entries, self.hooks.syncer)
+            snapshot.drop(image)  # freed a chunk at a time, never in one GIL hold
             state = SERIALIZER_STATE.SUCCESS
             self.last_compaction_s = time.perf_counter() - t0
             self.compactions += 1

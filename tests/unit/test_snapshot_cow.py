@@ -188,3 +188,13 @@ def test_copy_on_another_thread_while_the_table_applies(monkeypatch: pytest.Monk
         sys.setswitchinterval(old)
     assert mismatches == 0
     assert t.frozen == ()
+
+
+def test_drop_empties_only_the_copy() -> None:
+    t = Table()
+    t.apply(RegisterNode("n0", "h", "e", ("tcp",), 1, 500, 0))
+    hs = [i.to_bytes(8, "big") for i in range(1000)]
+    t.apply(Publish("n0", 1, "a", TIERS[0], hs, [1] * 1000, [2] * 1000, [3] * 1000, [1] * 1000))
+    image = snapshot.capture(t)
+    snapshot.drop(image)
+    assert image.keys == [] and t.col.key == hs
