@@ -33,7 +33,9 @@ KEEP_DIR = ".sim-keep"
 class Disk:
     """The durable image of one replica's data dir (see the module docstring)."""
 
-    def __init__(self, data_dir: str) -> None:
+    def __init__(self, data_dir: str, lies: bool = False) -> None:
+        self.lies = lies
+        """Record no sync (for tests that the checks catch a disk that loses writes)."""
         self.dir = os.path.abspath(data_dir)
         self.keep = os.path.join(self.dir, KEEP_DIR)
         os.makedirs(self.keep, exist_ok=True)
@@ -46,6 +48,8 @@ class Disk:
 
     def sync_file(self, fd: int) -> None:
         self.syncs += 1
+        if self.lies:
+            return
         st = os.fstat(fd)
         path = os.readlink(f"/proc/self/fd/{fd}")  # fds may be write-only: read by name
         if st.st_ino not in self.data:
@@ -57,7 +61,7 @@ class Disk:
 
     def sync_dir(self, path: str) -> None:
         self.syncs += 1
-        if os.path.abspath(path) != self.dir:
+        if self.lies or os.path.abspath(path) != self.dir:
             return  # the only directory a replica writes to is its data dir
         self.names = self._listing()
         live = set(self.names.values())  # a synced temp file not yet renamed is listed too

@@ -164,16 +164,31 @@ def crash(seat: SimReplica, network: Network, power_loss: bool, rng: random.Rand
         if owner._fd >= 0:
             os.close(owner._fd)
             owner._fd = -1
+    _close_transmissions(r)
     network.detach(seat.address)
     seat.replica = None
     seat.jobs.clear()
     return seat.disk.power_loss(rng) if power_loss else []
 
 
+def _close_transmissions(r: Replica) -> None:
+    """The snapshot files pysyncobj holds open to send or receive (a process's end closes them)."""
+    serializer = r._SyncObj__serializer
+    for t in serializer._Serializer__transmissions.values():
+        if "file" in t:
+            t["file"].close()
+    serializer._Serializer__transmissions = {}
+    incoming = serializer._Serializer__incomingTransmissionFile
+    if incoming is not None:
+        incoming.close()
+        serializer._Serializer__incomingTransmissionFile = None
+
+
 def stop_clean(seat: SimReplica) -> None:
     """The end of a run: close files the way a clean stop does."""
     r = seat.replica
     if r is not None:
+        _close_transmissions(r)
         r._doDestroy()
         seat.replica = None
         seat.jobs.clear()

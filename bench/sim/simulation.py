@@ -7,7 +7,8 @@ dump writer) whose step came run; the seed may inject one fault and start
 client operations; then every invariant (`checks`) is checked.
 
 Faults, each drawn with the seed's own rates (`Knobs`): crash of a replica
-(with or without power loss, unsynced writes gone), restart, partition
+(with or without power loss, unsynced writes gone), a power cut of every
+replica at once, restart, partition
 (a random split or one replica cut off) and heal, leadership transfer,
 forced log compaction (and compaction on small thresholds throughout, so
 snapshot installs to lagging followers happen), message loss, delay,
@@ -47,7 +48,8 @@ HEAL_STEPS_MAX = 3000
 """After the faults: steps (of TICK_S) allowed for every replica to catch up."""
 TRACE_LINES_MAX = 60
 """Lines of trace kept for a failure report (the newest)."""
-DIGEST_EVERY_STEPS = 5
+DIGEST_EVERY_STEPS = 10
+"""Table digests are compared every this many steps (a digest reads the whole table)."""
 SHM = "/dev/shm"
 
 
@@ -58,6 +60,8 @@ class Knobs:
     net: NetFaults
     crash: float
     power_loss: float
+    blackout: float
+    """A power cut of every replica at once."""
     restart: float
     partition: float
     heal: float
@@ -82,6 +86,7 @@ class Knobs:
             net=net,
             crash=rng.choice([0.0, 0.001, 0.003, 0.01]),
             power_loss=rng.choice([0.0, 0.5, 1.0]),
+            blackout=rng.choice([0.0, 0.0, 0.001, 0.003]),
             restart=rng.choice([0.02, 0.05, 0.2]),
             partition=rng.choice([0.0, 0.002, 0.01]),
             heal=rng.choice([0.01, 0.05]),
@@ -135,10 +140,22 @@ class _LogCounter(logging.Handler):
 
 
 class Simulation:
-    def __init__(self, seed: int, steps: int, replicas: int = 3, root: str | None = None) -> None:
+    def __init__(
+        self,
+        seed: int,
+        steps: int,
+        replicas: int = 3,
+        knobs: Knobs | None = None,
+        disk_lies: bool = False,
+    ) -> None:
+        """`knobs`: fixed rates instead of the seed's; `disk_lies`: syncs record nothing
+        (a disk that loses everything at a power cut: the checks must then catch lost
+        writes, which is how the tests know they can fail)."""
         self.seed, self.steps, self.n = seed, steps, replicas
         self.rng = random.Random(f"sim/{seed}")
-        self.knobs = Knobs.draw(self.rng)
+        drawn = Knobs.draw(self.rng)
+        self.knobs = knobs or drawn
+        self.disk_lies = disk_lies
         self.clock = rp.SimClock()
         self.net = Network(seed, self.knobs.net, self.clock)
         self.step = 0
@@ -151,7 +168,6 @@ class Simulation:
             compaction_min_time_s=self.knobs.compaction_min_time_s,
         )
         self.addresses = [f"127.0.0.1:{7001 + i}" for i in range(replicas)]
-        self._root = root
         self._tmp = ""
         self.seats: dict[str, rp.SimReplica] = {}
         self.work = Workload(owners=3, keys_per_owner=4, rng=random.Random(f"ops/{seed}"))
@@ -171,7 +187,7 @@ class Simulation:
 
     def run(self) -> Result:
         t0 = time.perf_counter()
-        self._tmp = tempfile.mkdtemp(prefix="kvdir-sim-", dir=self._root or _tmp_root())
+        self._tmp = tempfile.mkdtemp(prefix="kvdir-sim-", dir=_tmp_root())
         root_log = logging.getLogger()
         saved = (root_log.level, root_log.handlers)
         root_log.handlers = [_LogCounter(self)]  # count, do not print, the replicas' lines
@@ -192,7 +208,7 @@ class Simulation:
         self._note(f"knobs {self.knobs}")
         for addr in self.addresses:
             d = f"{self._tmp}/{addr.rsplit(':', 1)[1]}"
-            self.seats[addr] = rp.SimReplica(addr, d, Disk(_mkdir(d)))
+            self.seats[addr] = rp.SimReplica(addr, d, Disk(_mkdir(d), lies=self.disk_lies))
             self._start(addr)
         for _ in range(self.steps):
             self._step(faults=True)
@@ -261,6 +277,7 @@ class Simulation:
         except Exception as e:
             self._violation("start_failed", f"{addr}: {type(e).__name__}: {e}"[:300])
             return
+
         def on_cut(index: int) -> None:
             self.inv.cut(addr, r, index)
 
@@ -279,7 +296,11 @@ class Simulation:
         up = [a for a in sorted(self.seats) if self.seats[a].up]
         down = [a for a in sorted(self.seats) if not self.seats[a].up]
         roll = rng.random()
-        if up and roll < k.crash:
+        if up and roll < k.blackout:
+            self._note("blackout: every replica loses power")
+            for addr in up:
+                self._crash(addr, True)
+        elif up and roll < k.blackout + k.crash:
             self._crash(rng.choice(up), rng.random() < k.power_loss)
         elif down and rng.random() < k.restart:
             self._start(rng.choice(down))

@@ -88,7 +88,7 @@ class Workload:
                 return f"register {owner_node(owner)} at {addr}"
         if bulk and BULK_OWNER in self.registered:
             self.bulk_publishes += 1
-            size = self.rng.randint(2000, 5000)
+            size = self.rng.randint(1500, 3000)
             self._propose(seat, _bulk(size, self.bulk_publishes), lambda _r: None)
             return f"publish {size} blocks at {addr}"
         idle = [

@@ -1,0 +1,121 @@
+"""The seeded simulator of the real replicas (bench/sim; issue 29).
+
+Real `_replica.Replica`s (pysyncobj with kvdir's fixes, kvdir's journal, the
+table) on a simulated clock, network and disk. Each seed runs
+`STEPS` steps of 10 ms with faults, then heals and checks the history.
+A failure prints the seed, its violations and the end of its trace; replay
+one with `kvdir sim --seed S --seeds 1 --steps 1000 --trace`.
+
+KVDIR_RAFT_SIM_SEEDS sets the number of seeds (default 100: about a minute on
+one core of the 2-core CI machine, measured with `kvdir sim`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+from bench.sim.disk import Disk
+from bench.sim.net import NetFaults
+from bench.sim.simulation import Knobs, Simulation, run_seed
+
+pytestmark = pytest.mark.filterwarnings(
+    # pysyncobj's Serializer drops the file it sends a snapshot from without closing it
+    # (a finished or cancelled transmission is popped from a dict); CPython closes it
+    # as it is released, with a ResourceWarning. Not ours to fix, and not a leak.
+    "ignore::pytest.PytestUnraisableExceptionWarning",
+    "ignore::ResourceWarning",
+)
+
+SEEDS = int(os.environ.get("KVDIR_RAFT_SIM_SEEDS", "100"))
+STEPS = 1000
+SAFETY = {
+    "two_leaders",
+    "committed_entry_differs",
+    "digest_differs",
+    "lost_write",
+    "not_linearizable",
+}
+"""Violations that mean a wrong answer or a lost write (the others break a rule that
+leads there, or liveness)."""
+
+
+OPEN_HOLES = {
+    "cut_matching": "issue 29 hole 1: pysyncobj's follower cuts matching entries",
+    "tick_error": "issue 29 hole 3: mislabelled chunks of a large append abort ticks",
+}
+"""Violations of holes not closed yet: a seed showing only these is an expected failure.
+Delete an entry with the fix that closes it; its seeds must then pass."""
+
+
+@pytest.mark.parametrize("seed", range(1, SEEDS + 1), ids=lambda s: f"seed_{s}")
+def test_seed(seed: int) -> None:
+    res = run_seed(seed, STEPS)
+    kinds = {v.kind for v in res.violations}
+    if kinds and kinds <= set(OPEN_HOLES):
+        pytest.xfail("; ".join(OPEN_HOLES[k] for k in sorted(kinds)) + f" ({res.summary()})")
+    assert res.ok, res.summary()
+    assert res.stats["ops"] > 0 or res.stats["terms"] == 0, res.summary()
+
+
+def test_a_seed_replays_identically() -> None:
+    first, second = run_seed(6, 400), run_seed(6, 400)
+    assert first.trace == second.trace
+    assert [str(v) for v in first.violations] == [str(v) for v in second.violations]
+    assert len(first.trace) > 50  # it did something worth replaying
+    assert run_seed(7, 400).trace != first.trace
+
+
+PowerCuts = Knobs(
+    net=NetFaults(),
+    crash=0.0,
+    power_loss=1.0,
+    blackout=0.01,
+    restart=0.2,
+    partition=0.0,
+    heal=0.05,
+    transfer=0.0,
+    compact=0.0,
+    op=1.0,
+    bulk=0.0,
+    dump_delay_steps_max=0,
+    compaction_min_entries=20_000,
+    compaction_min_time_s=600.0,
+)
+
+
+def test_the_checks_catch_a_disk_that_loses_synced_writes() -> None:
+    """With syncs recorded as nothing, a power cut of every replica wipes the cluster:
+    acknowledged writes are gone, and some seed must show it."""
+    caught = set()
+    for seed in range(1, 11):
+        res = Simulation(seed, 600, knobs=PowerCuts, disk_lies=True).run()
+        caught |= {v.kind for v in res.violations} & SAFETY
+    assert caught, "ten seeds of power cuts on a lying disk went unnoticed"
+
+
+def test_power_loss_keeps_synced_bytes_and_a_prefix_of_the_rest(tmp_path: str) -> None:
+    d = Disk(str(tmp_path))
+    log = os.path.join(d.dir, "log")
+    fd = os.open(log, os.O_RDWR | os.O_CREAT, 0o644)
+    os.write(fd, b"synced")
+    d.sync_file(fd)
+    d.sync_dir(d.dir)
+    os.write(fd, b"-tail")
+    os.close(fd)
+    with open(os.path.join(d.dir, "new"), "wb") as f:
+        f.write(b"never synced")
+    tmp = os.path.join(d.dir, "renamed.tmp")
+    with open(tmp, "wb") as f:
+        f.write(b"synced, renamed, directory not synced")
+        f.flush()
+        d.sync_file(f.fileno())
+    os.replace(tmp, os.path.join(d.dir, "renamed"))
+    lost = d.power_loss(random.Random(1))
+    assert sorted(lost) == ["new", "renamed"]
+    with open(log, "rb") as f:
+        kept = f.read()
+    assert kept.startswith(b"synced") and b"synced-tail".startswith(kept)
+    assert sorted(n for n in os.listdir(d.dir) if not n.startswith(".")) == ["log"]
