@@ -31,10 +31,15 @@ from pysyncobj.node import TCPNode
 from kvdir.directory import codec, snapshot
 from kvdir.directory.commands import Command, Result
 from kvdir.directory.consensus.durable import DurableSyncObj
-from kvdir.directory.consensus.fixes import RaftEntry, rejection_hint, trim_append_entries
+from kvdir.directory.consensus.fixes import (
+    RaftEntry,
+    finished_transmission,
+    plan_append,
+    rejection_hint,
+)
 from kvdir.directory.consensus.pysyncobj_log import DUMP_FILE
 from kvdir.directory.consensus.sync import REAL, Durability, Syncer
-from kvdir.directory.consensus.transport import FencedTransport
+from kvdir.directory.consensus.transport import FencedTransport, with_framing
 from kvdir.directory.consensus.tuning import RaftTuning
 from kvdir.directory.table import Table
 
@@ -122,6 +127,8 @@ def make_conf(
 class Replica(DurableSyncObj):
     """One directory replica: the table, replicated by pysyncobj, logged by kvdir's journal."""
 
+    _SyncObj__recvTransmission: Any  # pysyncobj's buffer of a big entry's chunks
+
     def __init__(
         self,
         self_address: str,
@@ -159,7 +166,10 @@ class Replica(DurableSyncObj):
         self._election_s = (tuning.election_min_s, tuning.election_max_s)
         self._next_keepalive = 0.0
         self._reject_floor: int | None = None
-        super().__init__(self_address, peer_addresses, conf, transportClass=hooks.transport_class)
+        self._proven_end: int | None = None
+        """While an append is handled: the last index it proves (`AppendPlan.proven_end`)."""
+        transport = with_framing(hooks.transport_class)
+        super().__init__(self_address, peer_addresses, conf, transportClass=transport)
         self._SyncObj__raftElectionDeadline = raft_clock() + tuning.startup_grace_s
         self._joining = join
         """Never campaign before a leader has been heard from (a replica being added)."""
@@ -221,17 +231,43 @@ class Replica(DurableSyncObj):
             self._SyncObj__raftElectionDeadline = raft_clock() + random.uniform(*self._election_s)
 
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:  # noqa: N802
-        """Every message from a peer; appends are trimmed first (`trim_append_entries`)."""
+        """Every message from a peer; appends go through `plan_append` first.
+
+        The last chunk of an entry sent in chunks becomes an ordinary append
+        here (`finished_transmission`), so it meets the same rule.
+        """
         if isinstance(message, dict) and message.get("type") == _KEEPALIVE["type"]:
             return
-        if (
-            isinstance(message, dict)
-            and message.get("type") == "append_entries"
-            and "prevLogIdx" in message
-            and "transmission" not in message
-        ):
-            message = trim_append_entries(message, self.entry_at, self.last_log_index())
+        if isinstance(message, dict) and message.get("type") == "append_entries":
+            if message.get("transmission") == "finish":
+                message = finished_transmission(self._SyncObj__recvTransmission, message)
+                if message is None:
+                    return
+                if "transmission" not in message:
+                    self._SyncObj__recvTransmission = ""
+            if "prevLogIdx" in message and "transmission" not in message:
+                self._append(node, message)
+                return
         super()._SyncObj__onMessageReceived(node, message)
+
+    def _append(self, node: Any, message: dict[str, Any]) -> None:
+        plan = plan_append(message, self.entry_at, self.last_log_index(), int(self.raftCommitIndex))
+        if plan.message is None:
+            log.warning(
+                "dropped an append that would cut a committed entry",
+                extra={
+                    "peer": str(getattr(node, "address", node)),
+                    "term": message.get("term"),
+                    "conflict_at": plan.conflict_at,
+                    "commit_index": int(self.raftCommitIndex),
+                },
+            )
+            return
+        self._proven_end = plan.proven_end
+        try:
+            super()._SyncObj__onMessageReceived(node, plan.message)
+        finally:
+            self._proven_end = None
 
     def _SyncObj__sendNextNodeIdx(  # noqa: N802 (pysyncobj's name)
         self,
@@ -240,14 +276,19 @@ class Replica(DurableSyncObj):
         nextNodeIdx: int | None = None,  # noqa: N803
         success: bool = False,
     ) -> None:
-        """A follower's answer to an append; rejections go through `rejection_hint`.
+        """A follower's answer to an append; rejections go through `rejection_hint`,
+        a success claims no more than the append proved (`AppendPlan.proven_end`).
 
         Runs on the Raft thread. pysyncobj passes `nextNodeIdx` only for a term
-        mismatch (None: the append started past our log's end).
+        mismatch or a success (None: the append started past our log's end, or
+        a snapshot was installed: our last entry + 1).
         """
         hint = nextNodeIdx
         if success:
             self._reject_floor = None
+            if self._proven_end is not None:  # claim no more than the append proved
+                claimed = self.last_log_index() if hint is None else hint - 1
+                hint = min(claimed, self._proven_end) + 1
         elif reset:
             proposed = self.last_log_index() + 1 if hint is None else hint
             hint, self._reject_floor = rejection_hint(

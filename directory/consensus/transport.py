@@ -1,4 +1,5 @@
-"""pysyncobj's TCP transport with the cluster id fence (`membership.hello`)."""
+"""pysyncobj's TCP transport with the cluster id fence (`membership.hello`), and the
+framing of big entries that every transport a replica uses gets (`with_framing`)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,39 @@ from typing import Any
 
 from pysyncobj.transport import TCPTransport
 
+from kvdir.directory.consensus.fixes import ChunkFraming
 from kvdir.directory.consensus.membership import hello, split_hello
 
 log = logging.getLogger("kvdir.directory.membership")
 
 _REJECT_LOG_S = 10.0
 _REJECTED_MEMO_MAX = 1024
+_FRAMED: dict[type, type] = {}
+
+
+class _FramedSends:
+    """Sends every message through `ChunkFraming` (a big entry's chunks labelled right).
+
+    A mixin over whichever transport class the replica runs with (TCP in
+    production, the seeded simulator's network in tests), so both send the
+    same frames. The owning SyncObj provides `entry_at`.
+    """
+
+    def __init__(self, syncObj: Any, selfNode: Any, otherNodes: Any) -> None:  # noqa: N803
+        self._kvdir_framing = ChunkFraming(syncObj.entry_at)
+        super().__init__(syncObj, selfNode, otherNodes)  # type: ignore[call-arg]
+
+    def send(self, node: Any, message: Any) -> bool:
+        return bool(super().send(node, self._kvdir_framing.frame(node, message)))  # type: ignore[misc]
+
+
+def with_framing(transport_class: type) -> type:
+    """`transport_class` with `_FramedSends` in front (one class per transport class)."""
+    framed = _FRAMED.get(transport_class)
+    if framed is None:
+        framed = type(f"Framed{transport_class.__name__}", (_FramedSends, transport_class), {})
+        _FRAMED[transport_class] = framed
+    return framed
 
 
 class FencedTransport(TCPTransport):  # type: ignore[misc]
