@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvdir.core.config import ConfigError, read_toml, section, security_sections
-from kvdir.core.security import AuthConfig, TlsConfig
+from kvdir.core.security import AuthConfig, TlsConfig, is_loopback
 from kvdir.directory.consensus.sync import Durability
 from kvdir.directory.consensus.tuning import RaftTuning
 from kvdir.directory.limits import (
@@ -173,6 +173,15 @@ def _check(cfg: DirectoryConfig) -> None:
             raise ConfigError(f"[watch] {f.name} must be > 0")
     if w.history_entries_max > w.buffer_entries_max or w.history_bytes_max > w.buffer_bytes_max:
         raise ConfigError("[watch] the history may not hold more than one watcher's buffer")
+    exposed = [a for a in (cfg.raft_address, cfg.raft_bind_address) if a and not is_loopback(a)]
+    if exposed and not cfg.auth.raft_password_file:
+        # pysyncobj unpickles every frame that reaches the Raft port: without the
+        # password's encryption, anyone who can connect runs code in the replica.
+        raise ConfigError(
+            f"raft address {exposed[0]} is not loopback: set [auth] raft_password_file "
+            "(--raft-password-file), or anyone who reaches the Raft port can run code "
+            "in this replica (docs/security.md)"
+        )
     if cfg.cluster_id and not _CLUSTER_ID_RE.match(cfg.cluster_id):
         raise ConfigError("cluster_id must be 1-64 of [A-Za-z0-9_.-]")
     try:

@@ -18,7 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from kvdir.core.security import SecurityConfigError, ServerSecurity, read_secret
+from kvdir.core.security import SecurityConfigError, ServerSecurity, read_raft_password
 from kvdir.core.wire import GRPC_MESSAGE_BYTES_MAX
 from kvdir.directory.admin import AdminService
 from kvdir.directory.config import DirectoryConfig
@@ -80,7 +80,7 @@ class DirectoryDaemon:
                 self.cfg.raft_address,
             )
             return None
-        return read_secret(path, "raft password file")
+        return read_raft_password(path)
 
     def start(self) -> None:
         cfg = self.cfg

@@ -10,6 +10,7 @@ namespace of the same network to reach them (the run's client namespace).
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import time
 from collections.abc import Callable
@@ -32,6 +33,13 @@ class NetCluster(LocalCluster):
     record: Callable[[Event], None] | None = None
 
     def __post_init__(self) -> None:
+        # Off loopback a replica refuses to start without a Raft password (docs/security.md).
+        os.makedirs(self.base_dir, exist_ok=True)
+        password = os.path.join(self.base_dir, "raft.password")
+        fd = os.open(password, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(24) + "\n")
+        self.extra_args = [*self.extra_args, "--raft-password-file", password]
         for i in range(self.size):
             rid = f"r{i + 1}"
             ip = self.ips[rid]

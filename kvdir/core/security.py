@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import hmac
+import ipaddress
 import logging
 import ssl
 import tomllib
@@ -41,6 +42,9 @@ log = logging.getLogger("kvdir.security")
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 """Probes (kubelet, systemd's wait-ready) need no identity; they reveal only SERVING."""
 TOKEN_BYTES_MAX = 4096
+RAFT_PASSWORD_CHARS_MIN = 16
+"""A Raft password shorter than this is refused: it is the only thing between
+the Raft port and `pickle.loads` (docs/security.md)."""
 TOKENS_MAX = 100_000
 IDENTITY_BYTES_MAX = 253
 PERMISSION_DENIED = grpc.StatusCode.PERMISSION_DENIED
@@ -98,6 +102,31 @@ def read_secret(path: str, what: str) -> str:
     if not value or len(value) > TOKEN_BYTES_MAX or "\n" in value:
         raise SecurityConfigError(f"{what} {path} must hold one non-empty line")
     return value
+
+
+def read_raft_password(path: str) -> str:
+    """The Raft password in `path`; refused when shorter than `RAFT_PASSWORD_CHARS_MIN`."""
+    value = read_secret(path, "raft password file")
+    if len(value) < RAFT_PASSWORD_CHARS_MIN:
+        raise SecurityConfigError(
+            f"raft password file {path} holds {len(value)} characters, fewer than "
+            f"{RAFT_PASSWORD_CHARS_MIN}: use a random secret "
+            "(e.g. `head -c 24 /dev/urandom | base64`)"
+        )
+    return value
+
+
+def is_loopback(address: str) -> bool:
+    """Whether HOST:PORT (or a bare host) names only this machine: 127.0.0.0/8, ::1
+    or "localhost". Any other name may resolve to a reachable address."""
+    host = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
+    host = host.removeprefix("[").split("]")[0]
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def read_tokens(path: str) -> dict[str, str]:

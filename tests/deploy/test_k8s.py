@@ -192,6 +192,14 @@ def test_entrypoint_builds_identity_and_peers_from_the_pod_name(tmp_path: Path) 
         Peer(f"kvdir-directory-{i}", f"{fqdn(i)}:7001", f"{fqdn(i)}:7101") for i in (0, 2)
     )
     assert cfg.raft.compaction_min_entries == 20000  # the shared settings came along
+    # Off loopback a replica needs a Raft password: the StatefulSet mounts the Secret there.
+    assert cfg.auth.raft_password_file == "/etc/kvdir-raft/password"
+    pod = _one("directory.yaml", "StatefulSet")["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert mounts["raft-password"] == "/etc/kvdir-raft"
+    assert volumes["raft-password"]["secret"]["secretName"] == "kvdir-directory-raft"
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,9 @@ Fields podman 4.3 refuses or cannot honour here, converted:
   -> the livenessProbe becomes an `exec` of the image's HEALTHCHECK command
   (`kvdir ctl wait-ready`: the grpc readinessProbe's check, grpc.health.v1
   SERVING), so `podman healthcheck run` answers readiness;
+- the Raft password's `secret` volume (podman 4.3 plays a Secret only from
+  its own secret store) -> a ConfigMap of the same name holding a password
+  generated for the play;
 - KVDIR_REPLICAS -> 1: one pod is one replica, a majority of one (three pods
   would be three network namespaces joined by a network, which this tier does
   not create; the three-replica cluster is the pod test's).
@@ -40,6 +43,7 @@ securityContext, the volumes, resources) is played as written.
 from __future__ import annotations
 
 import copy
+import secrets
 from typing import Any
 
 Doc = dict[str, Any]
@@ -97,8 +101,9 @@ def playable_directory(docs: list[Doc], namespace: str, ordinal: int = 0) -> lis
     spec["containers"] = [_container(c, namespace) for c in spec["containers"]]
     (claim,) = sts["spec"]["volumeClaimTemplates"]
     claim_name = f"{claim['metadata']['name']}-{name}"
+    secret_maps, volumes = _secrets_as_config_maps(spec.get("volumes", []), namespace)
     spec["volumes"] = [
-        *spec.get("volumes", []),
+        *volumes,
         {"name": claim["metadata"]["name"], "persistentVolumeClaim": {"claimName": claim_name}},
     ]
     pvc = {
@@ -117,4 +122,28 @@ def playable_directory(docs: list[Doc], namespace: str, ordinal: int = 0) -> lis
         },
         "spec": spec,
     }
-    return [copy.deepcopy(one(docs, "ConfigMap")), pvc, pod]
+    return [copy.deepcopy(one(docs, "ConfigMap")), *secret_maps, pvc, pod]
+
+
+def _secrets_as_config_maps(volumes: list[Doc], namespace: str) -> tuple[list[Doc], list[Doc]]:
+    """Each `secret` volume as a ConfigMap volume, and those ConfigMaps (a fresh
+    random value for every key the volume's items name, or `password`)."""
+    maps: list[Doc] = []
+    out: list[Doc] = []
+    for v in volumes:
+        if "secret" not in v:
+            out.append(v)
+            continue
+        name = v["secret"]["secretName"]
+        keys = [i["key"] for i in v["secret"].get("items", [])] or ["password"]
+        data = {k: secrets.token_urlsafe(24) for k in keys}
+        maps.append(
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "metadata": {"name": name, "namespace": namespace},
+                "data": data,
+            }
+        )
+        out.append({"name": v["name"], "configMap": {"name": name}})
+    return maps, out
