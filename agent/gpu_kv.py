@@ -81,12 +81,14 @@ class GpuKvMover:
         tier_pointer: int,
         device: int,
         streams: tuple[int, int] | None = None,
+        num_blocks: int | None = None,
     ) -> None:
-        """`layers`: per-layer torch caches; `pool`: the engine's mapping of the pool
-        file (headers, host copies); `tier_pointer`: the GPU tier mapped here;
-        `streams`: raw (load, save) CUDA streams (default: two new ones)."""
+        """`layers`: per-layer torch caches of `num_blocks` blocks; `pool`: the
+        engine's mapping of the pool file (headers, host copies); `tier_pointer`:
+        the GPU tier mapped here; `streams`: raw (load, save) CUDA streams
+        (default: two new ones)."""
         try:
-            self.vllm, self.segment_bytes = vllm_planes(layers)
+            self.vllm, self.segment_bytes = vllm_planes(layers, num_blocks)
         except ValueError as e:
             raise GpuPathError(f"kvdir GPU path: {e}") from e
         g = pool.geometry
@@ -157,10 +159,14 @@ class GpuKvMover:
         slots: Sequence[int],
         hashes: Sequence[bytes],
         after: int = 0,
+        hold: int | None = None,
     ) -> bool:
         """vLLM `block_ids` -> tier `slots` -> their host copies, on the side stream
         after what is queued on stream `after` (the forward that computed them).
-        False (nothing queued) when SAVES_PENDING_MAX saves are in flight."""
+        With `hold`, work queued on that stream from now on (the engine's next
+        forwards, which may rewrite freed blocks) waits for the device-to-device
+        read of the blocks only, never for the host copies. False (nothing
+        queued) when SAVES_PENDING_MAX saves are in flight."""
         if not (len(block_ids) == len(slots) == len(hashes)):
             raise ValueError(f"{len(block_ids)} blocks, {len(slots)} slots, {len(hashes)} hashes")
         with self._lock:
@@ -170,13 +176,26 @@ class GpuKvMover:
             return True
         self._after(self.save_stream, after)
         s = self.save_stream
-        self.copier.launch(self.vllm, block_ids, self.tier, slots, self.segment_bytes, s)
+        read = self.copier.launch(self.vllm, block_ids, self.tier, slots, self.segment_bytes, s)
+        if hold is not None:
+            external_stream(self.cp, hold).wait_event(read)
         done = self.copier.launch(self.tier_whole, slots, self.host, slots, self.block_bytes, s)
         with self._lock:
             self._pending.append(
                 PendingSave(tag, tuple(hashes), tuple(slots), tuple(block_ids), done)
             )
         return True
+
+    def stage_host(self, tag: str, slots: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """Tier `slots` -> their host copies on the side stream (blocks that reached
+        the tier by CUDA IPC: other hosts read the host copy). Announce them
+        stored only once `finished_saves` returns them."""
+        if not slots:
+            return
+        s = self.save_stream
+        done = self.copier.launch(self.tier_whole, slots, self.host, slots, self.block_bytes, s)
+        with self._lock:
+            self._pending.append(PendingSave(tag, tuple(hashes), tuple(slots), (), done))
 
     def finished_saves(self) -> list[PendingSave]:
         """Saves whose copies completed, in submission order (announce them stored;

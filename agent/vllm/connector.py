@@ -24,25 +24,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
-    KVConnectorTransferResults,
 )
-from vllm.v1.kv_cache_interface import compute_layer_kv_cache_shape_bytes
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvdir.agent.vllm import compat
+from kvdir.agent.vllm import vllm_api
 from kvdir.agent.vllm.config import ConnectorConfig, ConnectorConfigError, from_extra
 from kvdir.agent.vllm.namespace import KvShape, NamespaceError, dtype_name, namespace
+from kvdir.agent.vllm.plan import BlockTables
 from kvdir.agent.vllm.scheduler import SchedulerSide, StepMeta
 from kvdir.agent.vllm.seam import AgentSeam, AgentUnavailable
 from kvdir.agent.vllm.stats import KvdirPromMetrics, KvdirStats, lookup_data, worker_data
-from kvdir.agent.vllm.worker import WorkerSide
-
-compat.check(vllm.__version__)
+from kvdir.agent.vllm.worker import Mover, WorkerSide
 
 log = logging.getLogger("kvdir.vllm")
 
@@ -74,15 +69,20 @@ def _check_vllm_config(vllm_config: Any) -> None:
             "validation must be recomputed, not fail the request)"
         )
     algo = vllm_config.cache_config.prefix_caching_hash_algo
-    if algo in UNSEEDED_ALGOS and os.environ.get("PYTHONHASHSEED") is None:
+    random_seed = algo in UNSEEDED_ALGOS or not vllm_api.SEEDED_NONE_HASH
+    if random_seed and os.environ.get("PYTHONHASHSEED") is None:
         raise ConnectorConfigError(
-            f"kvdir connector: {algo} block hashes are seeded randomly per process unless "
-            "PYTHONHASHSEED is set (the same on every engine); set it or use sha256"
+            f"kvdir connector: vLLM {vllm_api.SERIES} seeds {algo} block hashes randomly per "
+            "process unless PYTHONHASHSEED is set (the same on every engine): set it"
         )
 
 
 def expected_shape(kv_cache_config: Any, device: str) -> tuple[KvShape, list[str]]:
-    """The KvShape vLLM's [B, H, N, C] layer views will have, and the layer order."""
+    """The KvShape of one block as the worker will move it, and the layer order.
+
+    CPU: the backend's logical [B, H, N, C] layer views, row-major. CUDA: each
+    layer's keys then values, each [N, H, C] in the physical order vLLM's CUDA
+    backends use (predicted here; the worker checks the real strides)."""
     groups = kv_cache_config.kv_cache_groups
     if len(groups) != 1:
         raise NamespaceError(
@@ -90,9 +90,15 @@ def expected_shape(kv_cache_config: Any, device: str) -> tuple[KvShape, list[str
         )
     spec = groups[0].kv_cache_spec
     dtype = spec.dtype
-    _, h, n, c_bytes = compute_layer_kv_cache_shape_bytes(spec, 1)
     itemsize = torch.empty((), dtype=dtype).element_size()
     layers = list(groups[0].layer_names)
+    if device == "cuda":
+        order = vllm_api.cuda_cache_order()
+        dims = {"N": int(spec.block_size), "H": int(spec.num_kv_heads), "C": int(spec.head_size)}
+        block = (2, *(dims[d] for d in order[2:]))
+        shape = KvShape(len(layers), block, dtype_name(dtype), itemsize, device, order.lower())
+        return shape, layers
+    h, n, c_bytes = vllm_api.cpu_layer_view(spec)
     shape = KvShape(len(layers), (h, n, c_bytes // itemsize), dtype_name(dtype), itemsize, device)
     return shape, layers
 
@@ -107,7 +113,7 @@ def _model_name(cfg: ConnectorConfig, vllm_config: Any) -> str:
 
 
 class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
-    _cache_hit_source = CacheHitSource.P2P
+    _cache_hit_source = vllm_api.hit_source("P2P")
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -132,6 +138,9 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._requests: dict[str, Any] = {}
         self._unloaded: set[str] = set()
         self._unloaded_blocks: set[int] = set()
+        self._tables = BlockTables()
+        self._disabled = ""
+        """Why the worker side moves nothing (a refusal seen after start), or ""."""
         if role == KVConnectorRole.SCHEDULER:
             self.sched = SchedulerSide(self.seam, self.cfg, self.block_tokens)
         self._attach_early()
@@ -147,6 +156,13 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a best-effort cache: a dropped save is a future miss
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """CUDA caches in the layout the namespace names (VLLM_KV_CACHE_LAYOUT still wins)."""
+        if str(vllm_config.device_config.device_type or "") == "cuda":
+            return vllm_api.REQUIRED_KV_CACHE_LAYOUT
+        return None
 
     # ================================================================ scheduler
 
@@ -170,12 +186,13 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_external_cache_hit_sources(
         self, request: Any, num_external_tokens: int
-    ) -> dict[CacheHitSource, int]:
+    ) -> dict[Any, int]:
+        """vLLM 0.32+ only (0.24 counts external hits without a source)."""
         assert self.sched is not None
         pool, peer = self.sched.source_tokens(request.request_id)
         if pool + peer != num_external_tokens:
-            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
-        out = {CacheHitSource.HOST: pool, CacheHitSource.P2P: peer}
+            return {vllm_api.hit_source("EXTERNAL_UNSPECIFIED"): num_external_tokens}
+        out = {vllm_api.hit_source("HOST"): pool, vllm_api.hit_source("P2P"): peer}
         return {k: v for k, v in out.items() if v}
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
@@ -192,15 +209,30 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if req is not None:
                 done = cached.num_computed_tokens[i] + n_sched.get(req_id, 0)
                 scheduled[req_id] = (done, req.block_hashes)
-        state = scheduler_output.kv_connector_block_state
+        return KvdirMetadata(self.sched.step(scheduled, self._block_ids(scheduler_output)))
+
+    def _block_ids(self, scheduler_output: Any) -> Any:
+        """Where this step's requests' block tables come from: vLLM's own block
+        state (0.32+), or (0.24) the tables followed from the scheduler output."""
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        manager = getattr(self, "_kv_cache_manager", None)
+        if state is None and manager is None:
+            for r in scheduler_output.scheduled_new_reqs:
+                self._tables.new(r.req_id, r.block_ids[0])
+            cached = scheduler_output.scheduled_cached_reqs
+            resumed: set[str] = getattr(cached, "resumed_req_ids", set())
+            for i, req_id in enumerate(cached.req_ids):
+                new = cached.new_block_ids[i]
+                self._tables.cached(req_id, new[0] if new else None, req_id in resumed)
+            return self._tables.get
 
         def block_ids(req_id: str) -> list[int] | None:
             got = state.get_block_ids(req_id) if state is not None else None
-            if got is None and self._kv_cache_manager is not None:
-                got = self._kv_cache_manager.get_block_ids(req_id)
+            if got is None and manager is not None:
+                got = manager.get_block_ids(req_id)
             return list(got[0]) if got else None
 
-        return KvdirMetadata(self.sched.step(scheduled, block_ids))
+        return block_ids
 
     def request_finished(
         self, request: Any, block_ids: list[int]
@@ -208,34 +240,68 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if self.sched is not None:
             self.sched.finished(request.request_id)
         self._requests.pop(request.request_id, None)
+        self._tables.forget(request.request_id)
         return False, None
 
     # ================================================================== worker
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Check the caches against the namespace and start the worker side: a
+        mismatch or a pool this engine cannot use is refused here, in one line."""
         missing = [n for n in self.layer_names if n not in kv_caches]
         if missing:
             raise NamespaceError(f"kvdir connector: no KV cache registered for {missing[:3]}")
         self._kv_caches = {n: kv_caches[n] for n in self.layer_names}
-        from kvdir.agent.vllm.kvcopy import shape_of
+        if self.shape.device == "cuda":
+            from kvdir.agent.vllm.kvcopy_cuda import check_caches
 
-        got = shape_of(self._kv_caches, self.shape.device)
-        if got != self.shape:
-            raise NamespaceError(
-                f"kvdir connector: vLLM's KV caches are {got}, the config promised {self.shape}"
-            )
-        self._start_worker()
+            first = next(iter(self._kv_caches.values()))
+            check_caches(list(self._kv_caches.values()), self.shape, self._num_blocks(first))
+        else:
+            from kvdir.agent.vllm.kvcopy import shape_of
 
-    def _start_worker(self) -> WorkerSide | None:
-        if self.worker is not None or not self._kv_caches or not self.seam.available():
-            return self.worker
+            got = shape_of(self._kv_caches, self.shape.device)
+            if got != self.shape:
+                raise NamespaceError(
+                    f"kvdir connector: vLLM's KV caches are {got}, the config promised {self.shape}"
+                )
+        self._start_worker(refuse=True)
+
+    @staticmethod
+    def _num_blocks(cache: torch.Tensor) -> int:
+        return int(max(cache.shape[0], cache.shape[1]))
+
+    def _mover(self) -> Mover:
+        if self.shape.device == "cuda":
+            from kvdir.agent.vllm.kvcopy_cuda import CudaCopier
+
+            layers = list(self._kv_caches.values())
+            return CudaCopier(layers, self.shape, self.seam, self._num_blocks(layers[0]))
         from kvdir.agent.vllm.kvcopy import BlockCopier
 
+        return BlockCopier(self._kv_caches, self.shape, self.seam.pool)
+
+    def _start_worker(self, refuse: bool = False) -> WorkerSide | None:
+        """The worker side, started once the agent answers. A pool it cannot use
+        is refused at start (`refuse`); found later (an agent restarted with
+        another pool), it disables loading and saving: vLLM recomputes."""
+        if self._disabled or self.worker is not None or not self._kv_caches:
+            return self.worker
+        if not self.seam.available():
+            return None
         try:
-            copier = BlockCopier(self._kv_caches, self.shape, self.seam.pool)
+            copier = self._mover()
         except AgentUnavailable:
             return None
+        except NamespaceError as e:
+            if refuse:
+                raise
+            self._disabled = str(e)
+            log.error("kvdir connector disabled, vLLM recomputes: %s", e)
+            return None
         self.worker = WorkerSide(self.seam, copier, self.cfg.save_reserve_slots, self.cfg.save)
+        if self.shape.device == "cuda":
+            self.worker.engine_stream = int(torch.cuda.current_stream().cuda_stream)
         return self.worker
 
     def _meta(self) -> StepMeta | None:
@@ -269,14 +335,18 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
         if step is not None and step.saves and self.worker is not None:
             self.worker.save(step.saves)
 
-    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+    def _finished_recving(self) -> set[str]:
         done, self._unloaded = self._unloaded, set()
         if self.worker is not None:
             done |= self.worker.finished()
-        return KVConnectorTransferResults(finished_recving=done)
+        return done
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM 0.32+ (0.24 calls get_finished)."""
+        return vllm_api.transfer_results(self._finished_recving())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self.get_transfer_results(finished_req_ids).finished_recving or None
+        return None, self._finished_recving() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._unloaded_blocks = self._unloaded_blocks, set()

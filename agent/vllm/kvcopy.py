@@ -5,11 +5,12 @@ the block; strides follow the backend's physical layout). A pool slot holds
 one block of every layer, layer l's [H, N, C] part at l x layer_block_bytes,
 row-major. Every move is one gather and one scatter per layer for the whole
 batch of blocks (index_select / index_copy_), never a loop over blocks.
-A CUDA cache gets one host<->device copy per layer on top.
+CUDA engines use kvcopy_cuda.py instead (one kernel for every layer).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -58,15 +59,45 @@ class BlockCopier:
         slots = torch.frombuffer(data, dtype=torch.uint8).view(g.slots, g.slot_bytes)
         lb = shape.layer_block_bytes
         self.pool_layers = [slots[:, i * lb : (i + 1) * lb] for i in range(shape.layers)]
+        self._ready: list[tuple[tuple[bytes, ...], tuple[int, ...]]] = []
+        self._lock = threading.Lock()
 
     @staticmethod
     def _index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
         return torch.tensor(list(ids), dtype=torch.long, device=device)
 
-    def to_pool(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
-        """Save: vLLM blocks -> pool slots."""
+    def to_pool(
+        self, block_ids: Sequence[int], slots: Sequence[int], hashes: Sequence[bytes]
+    ) -> bool:
+        """Save: vLLM blocks -> pool slots, synchronously (announce via `completed`)."""
         if not block_ids:
-            return
+            return True
+        self._copy_out(block_ids, slots)
+        self._done((tuple(hashes), tuple(slots)))
+        return True
+
+    def fetched(self, slots: Sequence[int], hashes: Sequence[bytes], transport: str) -> None:
+        """Blocks a fetch wrote into the pool's host slots: ready to announce."""
+        self._done((tuple(hashes), tuple(slots)))
+
+    def _done(self, item: tuple[tuple[bytes, ...], tuple[int, ...]]) -> None:
+        with self._lock:
+            self._ready.append(item)
+
+    def completed(self) -> list[tuple[tuple[bytes, ...], tuple[int, ...]]]:
+        """(hashes, slots) written since the last call: announce them stored."""
+        with self._lock:
+            out, self._ready = self._ready, []
+        return out
+
+    @property
+    def in_flight(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        return
+
+    def _copy_out(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
         n = len(block_ids)
         si = self._index(slots, torch.device("cpu"))
         bi = self._index(block_ids, self.layers[0].device)
@@ -74,8 +105,8 @@ class BlockCopier:
             src = kv.index_select(0, bi).cpu()  # contiguous [n, H, N, C]
             dst.index_copy_(0, si, src.view(torch.uint8).reshape(n, -1))
 
-    def from_pool(self, slots: Sequence[int], block_ids: Sequence[int]) -> None:
-        """Load: pool slots -> vLLM blocks."""
+    def from_pool(self, slots: Sequence[int], block_ids: Sequence[int], stream: int = 0) -> None:
+        """Load: pool slots -> vLLM blocks (`stream`: unused on CPU)."""
         if not block_ids:
             return
         n = len(block_ids)

@@ -45,6 +45,10 @@ class KvShape:
     itemsize: int
     device: str
     """The attention backend family ("cpu", "cuda"): it decides what the bytes mean."""
+    order: str = "bhnc"
+    """The physical order of a block's bytes: "bhnc" (the CPU backend's [H, N, C]
+    view, row-major) or a CUDA cache's own, e.g. "bknhc" (transfer/kv_layout.py:
+    keys then values of each layer, each [N, H, C])."""
 
     @property
     def layer_block_bytes(self) -> int:
@@ -57,7 +61,7 @@ class KvShape:
     @property
     def layout(self) -> str:
         dims = "x".join(map(str, self.block_shape))
-        return f"{LAYOUT_PREFIX}-{self.device}-bhnc/L{self.layers}/{dims}"
+        return f"{LAYOUT_PREFIX}-{self.device}-{self.order}/L{self.layers}/{dims}"
 
 
 def dtype_name(torch_dtype: object) -> str:

@@ -107,3 +107,34 @@ class SavePlanner:
         first = cur.next_block
         cur.next_block = max(cur.next_block, full)
         return first, out
+
+
+@dataclass(slots=True)
+class BlockTables:
+    """Each scheduled request's vLLM block ids, followed from the scheduler output.
+
+    vLLM 0.24 gives a connector's scheduler side no other way to read a running
+    request's block table: a new request arrives with its whole table, a
+    cached one with the blocks appended this step (or, resumed after a
+    preemption, its whole new table). Entries go at `forget` (request_finished).
+    """
+
+    tables: dict[str, list[int]] = field(default_factory=dict)
+
+    def new(self, req_id: str, block_ids: Sequence[int]) -> None:
+        self.tables[req_id] = list(block_ids)
+
+    def cached(self, req_id: str, new_ids: Sequence[int] | None, resumed: bool) -> None:
+        if new_ids is None:
+            return
+        table = self.tables.get(req_id)
+        if resumed or table is None:
+            self.tables[req_id] = list(new_ids)
+        else:
+            table.extend(new_ids)
+
+    def get(self, req_id: str) -> list[int] | None:
+        return self.tables.get(req_id)
+
+    def forget(self, req_id: str) -> None:
+        self.tables.pop(req_id, None)

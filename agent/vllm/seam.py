@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvdir.agent.engine_client import EngineClient, EngineError
+from kvdir.agent.engine_client import EngineClient, EngineError, _AttachedPool
 from kvdir.agent.pool import KvPool
 from kvdir.agent.vllm.config import ConnectorConfig
 from kvdir.agent.vllm.namespace import NamespaceError, describe
@@ -100,6 +100,10 @@ class AgentSeam:
     def available(self) -> bool:
         """False for agent_retry_s after a failure (callers then skip the agent)."""
         return self.clock() >= self._down_until
+
+    def attached_pool(self) -> _AttachedPool:
+        """The pool of this namespace as the engine library maps it (info + mapping)."""
+        return self.attach().pools[namespace_key(self.ns)]
 
     @property
     def pool(self) -> KvPool:

@@ -27,13 +27,43 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from kvdir.agent.pool import STORED, read_header
+from kvdir.agent.vllm.namespace import KvShape
 from kvdir.agent.vllm.seam import AgentSeam, AgentUnavailable
 
-if TYPE_CHECKING:  # torch loads only inside vLLM's processes
-    from kvdir.agent.vllm.kvcopy import BlockCopier
+Announce = tuple[tuple[bytes, ...], tuple[int, ...]]
+"""(hashes, slots) whose bytes are in the pool: to be announced stored."""
+
+
+class Mover(Protocol):
+    """Moves blocks between vLLM's caches and the pool: kvcopy.BlockCopier (CPU,
+    synchronous) or kvcopy_cuda.CudaCopier (CUDA, saves complete later)."""
+
+    shape: KvShape
+
+    def from_pool(self, slots: Sequence[int], block_ids: Sequence[int], stream: int = 0) -> None:
+        """Pool slots -> vLLM blocks; the bytes have landed on return."""
+
+    def to_pool(
+        self, block_ids: Sequence[int], slots: Sequence[int], hashes: Sequence[bytes]
+    ) -> bool:
+        """Queue a save (False: refused, nothing queued); announced via `completed`."""
+
+    def fetched(self, slots: Sequence[int], hashes: Sequence[bytes], transport: str) -> None:
+        """A fetch put these blocks in the pool; announced via `completed`."""
+
+    def completed(self) -> list[Announce]:
+        """Saves and fetched blocks whose bytes are complete since the last call."""
+
+    @property
+    def in_flight(self) -> int:
+        """Saves queued and not yet complete."""
+
+    def close(self) -> None:
+        """Stop using the pool mapping."""
+
 
 log = logging.getLogger("kvdir.vllm")
 
@@ -97,7 +127,7 @@ class WorkerSide:
     def __init__(
         self,
         seam: AgentSeam,
-        copier: BlockCopier,
+        copier: Mover,
         reserve_slots: int,
         save: bool,
         clock: Callable[[], float] = time.perf_counter,
@@ -108,6 +138,8 @@ class WorkerSide:
         self.reserve_target = reserve_slots
         self.save_enabled = save
         self.clock = clock
+        self.engine_stream = 0
+        """The engine's CUDA stream (raw handle): loads start after its queued work."""
         self.stats = Stats()
         self._stats_lock = threading.Lock()
         self._jobs: queue.Queue[LoadJob | None] = queue.Queue(LOAD_QUEUE_MAX)
@@ -138,6 +170,7 @@ class WorkerSide:
         """Requests whose loads ended since the last call; their failed blocks
         go to `take_errors` in the same step."""
         out: set[str] = set()
+        self._announce()  # saves whose copies completed since the last step
         while True:
             try:
                 req_id, bad = self._done.get_nowait()
@@ -163,15 +196,23 @@ class WorkerSide:
             with self._stats_lock:
                 self.stats.recomputed_blocks += len(bad)
             self._done.put((job.req_id, bad))
+            self._announce()  # after the request may run: announcing never delays it
 
     def _load(self, job: LoadJob) -> list[int]:
         t0 = self.clock()
         start, end = job.start_block, job.end_block
-        got = start + self._load_local(job)
+        local = self._load_local(job)
+        got = start + local
         if got < end:
             got += self._load_remote(job, got)
+        took = self.clock() - t0
         with self._stats_lock:
-            self.stats.load_seconds.append(self.clock() - t0)
+            self.stats.load_seconds.append(took)
+        log.info(
+            "kvdir load: request %s, blocks %d..%d: %d from this node's pool, %d from peers, "
+            "%d recomputed, %.2f ms",
+            job.req_id, start, end, local, got - start - local, end - got, took * 1e3,
+        )  # fmt: skip
         return list(job.block_ids[got - start :])
 
     def _headers(self, slots: Sequence[int]) -> list[tuple[int, int, bytes]]:
@@ -188,7 +229,7 @@ class WorkerSide:
         if not slots:
             return 0
         before = self._headers(slots)
-        self.copier.from_pool(slots, job.block_ids[: len(slots)])
+        self.copier.from_pool(slots, job.block_ids[: len(slots)], self.engine_stream)
         n = valid_local(before, self._headers(slots), job.hashes[start : start + len(slots)])
         with self._stats_lock:
             self.stats.add_loaded("pool", n, n * self.block_bytes)
@@ -210,12 +251,9 @@ class WorkerSide:
             return 0
         v = r.valid_blocks
         first = got - job.start_block
-        self.copier.from_pool(slots[:v], job.block_ids[first : first + v])
-        try:
-            if v:
-                self.seam.stored(job.hashes[got : got + v], slots[:v])
-        except AgentUnavailable:
-            pass
+        self.copier.from_pool(slots[:v], job.block_ids[first : first + v], self.engine_stream)
+        if v:  # the fetched blocks stay in the pool, announced once their bytes are complete
+            self.copier.fetched(slots[:v], job.hashes[got : got + v], r.transport)
         self._give_back(slots[v:])
         with self._stats_lock:
             self.stats.add_loaded(r.transport or "none", v, r.bytes)
@@ -239,16 +277,25 @@ class WorkerSide:
         with self._stats_lock:
             self.stats.save_skipped += len(blocks) - n
         if n == 0:
+            self._announce()
             return
-        self.copier.to_pool(blocks[:n], slots)
-        try:
-            self.seam.stored(hashes[:n], slots)
-        except AgentUnavailable:
+        if not self.copier.to_pool(blocks[:n], slots, hashes[:n]):
             self._give_back(slots)
+            with self._stats_lock:
+                self.stats.save_skipped += n
             return
         with self._stats_lock:
             self.stats.saved_blocks += n
             self.stats.saved_bytes += n * self.block_bytes
+        self._announce()
+
+    def _announce(self) -> None:
+        """Announce stored every save and fetched block whose bytes are complete."""
+        for hashes, slots in self.copier.completed():
+            try:
+                self.seam.stored(hashes, slots)
+            except AgentUnavailable:
+                self._give_back(slots)
 
     def _give_back(self, slots: Sequence[int]) -> None:
         with self._stash_lock:
@@ -268,6 +315,9 @@ class WorkerSide:
                 got = self.seam.reserve(missing)
             except AgentUnavailable:
                 continue
+            except Exception:  # this thread keeps saves possible: it must outlive any bug
+                log.exception("kvdir: reserving save slots failed; retrying later")
+                continue
             self._give_back(got)
 
     def drain_stats(self) -> Stats:
@@ -282,6 +332,8 @@ class WorkerSide:
             self._jobs.put_nowait(None)
         for t in self._threads:
             t.join(2.0)
+        self._announce()
+        self.copier.close()
         with self._stash_lock:
             stash, self._stash = self._stash, []
         with contextlib.suppress(AgentUnavailable):

@@ -195,6 +195,10 @@ def _targets(summary: list[dict[str, Any]]) -> list[report.Target]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.device == "cuda":
+        from bench.vllm.gpu import run as run_gpu
+
+        return run_gpu(args)
     from bench.vllm.measure import measure
     from bench.vllm.model import Shape
     from bench.vllm.nodes import nodes
@@ -271,9 +275,18 @@ def add_parser(kinds: Any) -> None:
         help="prefix lengths (multiples of 32)",
     )
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="cuda: vLLM 0.24 engines on one GPU, CUDA IPC and host-path pulls (bench/vllm/gpu.py)",
+    )
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=512, help="a multiple of 256")
     p.add_argument("--seed", type=int, default=100)
     p.add_argument("--note", default="", help="a line for the report (how the run was held)")
     p.add_argument("--out", default=str(report.REPO_ROOT / "bench" / "results"))
+    from bench.vllm.gpu_args import add_arguments
+
+    add_arguments(p)
     p.set_defaults(func=run)

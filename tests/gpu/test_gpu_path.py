@@ -100,13 +100,36 @@ def test_validation_after_load_stops_at_a_reused_slot(pool: Any) -> None:
     tier.close()
 
 
-def test_layouts_that_are_not_flash_attention_blocks_are_refused(pool: Any) -> None:
-    odd = torch.zeros((BLOCKS, 2, BS, HEADS, DIM), dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(GpuPathError, match="per-layer caches"):
+def test_block_major_caches_of_vllm_024_move_whole_blocks(pool: Any) -> None:
+    """vLLM 0.24's FlashAttention shapes a layer [blocks, 2, block_size, heads, dim]:
+    read from the strides, saved and loaded back byte for byte."""
+    tier = GpuTier.open(pool, 0)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    src = [
+        torch.randn((BLOCKS, 2, BS, HEADS, DIM), generator=g, device="cuda").to(torch.bfloat16)
+        for _ in range(LAYERS)
+    ]
+    dst = [torch.zeros_like(t) for t in src]
+    saver = GpuKvMover(src, pool, tier.address, 0, num_blocks=BLOCKS)
+    loader = GpuKvMover(dst, pool, tier.address, 0, num_blocks=BLOCKS)
+    hashes = [bytes([7, i]) * 8 for i in range(3)]
+    assert saver.save("r", [2, 30, 9], [4, 5, 6], hashes, after=0, hold=0)
+    done: list[Any] = []
+    while not done:
+        done = saver.finished_saves()
+    loader.wait(loader.load([4, 5, 6], [0, 1, 2]), 10.0)
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(s[[2, 30, 9]], d[[0, 1, 2]])
+        assert not d[3:].any()
+
+
+def test_layouts_whose_blocks_are_not_segments_are_refused(pool: Any) -> None:
+    odd = torch.zeros((BLOCKS, BS, 2, HEADS, DIM), dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(GpuPathError):
         GpuKvMover([odd], pool, 1 << 40, 0)
     permuted = torch.zeros((2, BLOCKS, HEADS, BS, DIM), dtype=torch.bfloat16, device="cuda")
-    with pytest.raises(ValueError, match="not contiguous"):
-        vllm_planes([permuted.transpose(2, 3)])
+    with pytest.raises(ValueError):  # a block's tokens are strided, not one segment
+        vllm_planes([permuted.permute(0, 3, 1, 2, 4)])
     planes, seg = vllm_planes(_caches())
     with pytest.raises(ValueError, match="outside"):
         BlockCopier(0).launch(planes, [BLOCKS], planes, [0], seg)

@@ -7,7 +7,7 @@ import pytest
 from kvdir.agent.vllm import compat
 from kvdir.agent.vllm.config import ConnectorConfigError, from_extra
 from kvdir.agent.vllm.namespace import KvShape, namespace
-from kvdir.agent.vllm.plan import NOTHING, Found, SavePlanner, plan_load
+from kvdir.agent.vllm.plan import NOTHING, BlockTables, Found, SavePlanner, plan_load
 from kvdir.agent.vllm.worker import valid_local
 
 BT = 32
@@ -65,6 +65,7 @@ def test_config_refuses_unknown_keys_and_bad_values() -> None:
 def test_unknown_vllm_versions_are_refused_in_one_line() -> None:
     assert compat.check("0.32.0") == "0.32"
     assert compat.check("0.33.1+cu129") == "0.33"
+    assert compat.check("0.24.0") == "0.24"
     with pytest.raises(compat.UnsupportedVllm) as e:
         compat.check("0.23.0")
     assert "\n" not in str(e.value) and "0.23.0" in str(e.value)
@@ -77,3 +78,23 @@ def test_the_layout_is_part_of_the_namespace() -> None:
     a, b = namespace("m", 32, cpu, 0, 1), namespace("m", 32, gpu, 0, 1)
     assert a.layout == "vllm-cpu-bhnc/L4/2x32x128" and a.layout != b.layout
     assert namespace("m", 32, cpu, 1, 2).tp_rank == 1
+
+
+def test_a_cuda_namespace_names_the_physical_order() -> None:
+    fa = KvShape(32, (2, 16, 8, 128), "bf16", 2, "cuda", "bknhc")
+    hnd = KvShape(32, (2, 8, 16, 128), "bf16", 2, "cuda", "bkhnc")
+    assert fa.layer_block_bytes == 64 * 1024 and fa.block_bytes == 2 * 1024 * 1024
+    assert fa.layout == "vllm-cuda-bknhc/L32/2x16x8x128"
+    assert namespace("m", 16, fa, 0, 1).layout != namespace("m", 16, hnd, 0, 1).layout
+
+
+def test_block_tables_follow_new_appended_and_resumed_requests() -> None:
+    t = BlockTables()
+    t.new("a", [4, 5])
+    t.cached("a", [9], resumed=False)
+    t.cached("a", None, resumed=False)  # no new blocks this step
+    assert t.get("a") == [4, 5, 9]
+    t.cached("a", [1, 2], resumed=True)  # preempted, then resumed with a new table
+    assert t.get("a") == [1, 2]
+    t.forget("a")
+    assert t.get("a") is None

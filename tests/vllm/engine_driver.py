@@ -44,6 +44,7 @@ def _engine(cfg: dict[str, Any]) -> Any:
         "disable_log_stats": False,
         "seed": 0,
     }
+    kwargs.update(cfg.get("llm_kwargs") or {})  # e.g. a GPU engine's memory share
     if cfg.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = cfg["kv_transfer_config"]
     if cfg.get("lora_dir"):

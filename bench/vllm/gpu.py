@@ -1,0 +1,473 @@
+"""`kvdir bench vllm --device cuda`: kvdir's connector inside real vLLM engines on one GPU.
+
+Needs a CUDA GPU, CuPy and vLLM 0.24 (the H200 bundle: ../shared/notes/vllm-gpu.md).
+The cluster is bench/vllm/gpu_nodes.py: a 3-replica directory, agents with GPU-tier
+pools, engines a (holder), b (pulls over CUDA IPC), c (pulls over the host path) and
+n (no connector), all on 127.0.0.1.
+
+Checks first, each recorded with what it saw (a failed check fails the run):
+- ipc / host: a computes an 8k-token prompt P; b (CUDA IPC) and c (host path) serve
+  P + a new turn: vLLM reports P's full blocks cached, kvdir's load counters name
+  the path, and the greedy 64-token answer equals n's recompute;
+- tenants: a prefix computed under one cache_salt is never loaded under another;
+- reuse: a's slot reused between b's data read and its header read: fewer blocks
+  load, the rest is recomputed, same answer, the validation miss counted;
+after the measurements (they need a alive): agent a killed during b's load, then
+the directory down: b recomputes, same answer, within a bound.
+
+Then per prefix length: turn-2 TTFT on the same prompt and turn, side by side:
+n recomputes; b pulls over CUDA IPC; c pulls over the host path; b again, served
+from vLLM's own prefix cache (the floor); a's prefill with the connector saving
+next to n's plain prefill of a same-length prompt; the connector's load seconds
+next to a bare device copy of the same bytes (CUDA IPC) and the agent's bare
+fetch of them (host path). One TTFT is one `LLM.generate` of one output token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import os
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.vllm.gpu_args import add_arguments
+from bench.vllm.gpu_nodes import BLOCK_TOKENS, HASH_ALGO, SHAPES, GpuNodes, gpu_nodes
+from kvdir import report
+from kvdir.core.hashing import vllm_block_digests, vllm_hash_fn, vllm_none_hash
+from kvdir.local import ClusterError, wait_agent_sees
+
+DEFAULT_TOKENS = (1024, 4096, 8192)
+TURN_TOKENS = 64
+CHECK_TOKENS = 8192
+ANSWER_TOKENS = 64
+HASH_SEED = "0"
+"""PYTHONHASHSEED of every engine (vLLM 0.24 seeds sha256 block hashes with it)."""
+FALLBACK_S_MAX = 30.0
+IPC_VS_FLOOR_MAX = 1.15
+LOAD_VS_COPY_MAX = 2.0
+HOST_LOAD_VS_BARE_MIN = 0.7
+SAVE_OVERHEAD_MAX = 0.03
+
+
+def prompt(seed: int, n: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, vocab - 10) for _ in range(n)]
+
+
+def keys(tokens: list[int], salt: str | None = None) -> list[bytes]:
+    """vLLM's sha256 block hashes of `tokens` under PYTHONHASHSEED=HASH_SEED."""
+    if not salt:
+        return vllm_block_digests(tokens, BLOCK_TOKENS, HASH_ALGO, seed=HASH_SEED)
+    first = tuple(tokens[:BLOCK_TOKENS])
+    none = vllm_none_hash(HASH_ALGO, HASH_SEED)
+    h0 = vllm_hash_fn(HASH_ALGO)((none, first, (("cache_salt", salt),)))
+    rest = vllm_block_digests(
+        tokens[BLOCK_TOKENS:], BLOCK_TOKENS, HASH_ALGO, seed=HASH_SEED, parent=h0
+    )
+    return [h0, *rest]
+
+
+def metric(metrics: dict[str, float], name: str) -> float:
+    return sum(v for k, v in metrics.items() if k == name or k.startswith(name + "{"))
+
+
+class Bench:
+    def __init__(self, n: GpuNodes) -> None:
+        self.n = n
+        self.vocab = n.shape.vocab
+        self.checks: list[dict[str, Any]] = []
+
+    # ------------------------------------------------------------ helpers
+
+    def gen(self, name: str, tokens: list[int], max_tokens: int = 1, **kw: Any) -> dict[str, Any]:
+        r = self.n.engines[name].generate([tokens], max_tokens=max_tokens, **kw)
+        out = dict(r["outputs"][0])
+        out["seconds"] = float(r["seconds"])
+        return out
+
+    def metrics(self, name: str) -> dict[str, float]:
+        return self.n.engines[name].metrics()
+
+    def a_holds(self, tokens: list[int], salt: str | None = None) -> None:
+        """Wait until agents b and c see a holding every full block of `tokens`."""
+        chain = keys(tokens, salt)
+        blocks = len(tokens) // BLOCK_TOKENS
+        ns = self.n.shape.ns()
+        for sock in (self.n.socket("b"), self.n.socket("c")):
+            wait_agent_sees(sock, ns, chain, "a", blocks, timeout_s=60.0)
+
+    def check(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:
+        t0 = time.monotonic()
+        try:
+            seen = fn()
+            ok = bool(seen.pop("ok"))
+        except Exception as e:  # one failed check must not hide the others
+            seen, ok = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}, False
+        seen.update(check=name, ok=ok, seconds=round(time.monotonic() - t0, 3))
+        self.checks.append(seen)
+        print(f"==> check {name}: {'ok' if ok else 'FAILED'} {seen}", flush=True)
+
+    # ------------------------------------------------------------- checks
+
+    def pulled(self, puller: str, seed: int, source: str) -> dict[str, Any]:
+        p = prompt(seed, CHECK_TOKENS, self.vocab)
+        turn = p + prompt(seed + 1, TURN_TOKENS, self.vocab)
+        if puller == "b":  # c's check reuses b's prompt: a (and now b) hold it
+            self.gen("a", p)
+            self.a_holds(p)
+        before = self.metrics(puller)
+        got = self.gen(puller, turn, ANSWER_TOKENS)
+        after = self.metrics(puller)
+        ref = self.gen("n", turn, ANSWER_TOKENS)
+        loaded = {
+            k: after[k] - before.get(k, 0.0)
+            for k in after
+            if k.startswith("kvdir:loaded_bytes_total") and after[k] != before.get(k, 0.0)
+        }
+        return {
+            "ok": got["tokens"] == ref["tokens"]
+            and got["cached"] >= CHECK_TOKENS
+            and any(f"source={source}" in k for k in loaded),
+            "cached": got["cached"],
+            "same_tokens": got["tokens"] == ref["tokens"],
+            "loaded_bytes": loaded,
+            "ttft_note": "64-token answers; TTFTs are measured below",
+        }
+
+    def tenants(self) -> dict[str, Any]:
+        p = prompt(11, 2048, self.vocab)
+        turn = p + prompt(12, TURN_TOKENS, self.vocab)
+        self.gen("a", p, cache_salt="tenant-1")
+        self.a_holds(p, "tenant-1")
+        other = self.gen("b", turn, ANSWER_TOKENS, cache_salt="tenant-2")
+        same = self.gen("b", turn, ANSWER_TOKENS, cache_salt="tenant-1")
+        return {
+            "ok": other["cached"] == 0
+            and same["cached"] >= 2048
+            and other["tokens"] == same["tokens"],
+            "other_tenant_cached": other["cached"],
+            "same_tenant_cached": same["cached"],
+        }
+
+    def reuse(self) -> dict[str, Any]:
+        from kvdir.agent.engine_client import EngineClient
+
+        p = prompt(21, 4096, self.vocab)
+        turn = p + prompt(22, TURN_TOKENS, self.vocab)
+        self.gen("a", p)
+        self.a_holds(p)
+        chain, ns, j = keys(p), self.n.shape.ns(), 7
+        client = EngineClient(self.n.socket("a"))
+        fetcher = self.n.daemon_b.fetcher
+        assert fetcher is not None
+        fired: list[int] = []
+        try:
+            slots = list(client.lookup(ns, chain).local_slots)
+            victim = slots[j]
+
+            def reuse() -> None:
+                if not fired:
+                    fired.append(1)
+                    client.removed(ns, [chain[j]], [victim])  # the generation moves first
+                    client.slot_view(ns, victim)[:] = b"\xee" * self.n.shape.block_bytes
+
+            misses = fetcher.validation_failures
+            fetcher.after_data = reuse
+            try:
+                got = self.gen("b", turn, ANSWER_TOKENS)
+            finally:
+                fetcher.after_data = None
+        finally:
+            client.close()
+        ref = self.gen("n", turn, ANSWER_TOKENS)
+        return {
+            "ok": fired == [1]
+            and fetcher.validation_failures == misses + 1
+            and got["tokens"] == ref["tokens"]
+            and got["cached"] < 4096,
+            "fired": fired,
+            "validation_failures": fetcher.validation_failures - misses,
+            "cached": got["cached"],
+            "same_tokens": got["tokens"] == ref["tokens"],
+        }
+
+    def agent_killed(self) -> dict[str, Any]:
+        p = prompt(31, 4096, self.vocab)
+        turn = p + prompt(32, TURN_TOKENS, self.vocab)
+        self.gen("a", p)
+        self.a_holds(p)
+        fetcher = self.n.daemon_b.fetcher
+        assert fetcher is not None
+        fired: list[int] = []
+
+        def kill() -> None:
+            if not fired:
+                fired.append(1)
+                self.n.agents["a"].kill(signal.SIGKILL)
+
+        fetcher.after_data = kill
+        t0 = time.monotonic()
+        try:
+            got = self.gen("b", turn, ANSWER_TOKENS)
+        finally:
+            fetcher.after_data = None
+        took = time.monotonic() - t0
+        ref = self.gen("n", turn, ANSWER_TOKENS)
+        return {
+            "ok": fired == [1] and took < FALLBACK_S_MAX and got["tokens"] == ref["tokens"],
+            "fired": fired,
+            "seconds_to_answer": round(took, 3),
+            "cached": got["cached"],
+        }
+
+    def directory_down(self) -> dict[str, Any]:
+        for r in list(self.n.cluster.replicas):
+            self.n.cluster.kill(r)
+        turn = prompt(41, 4096 + TURN_TOKENS, self.vocab)
+        t0 = time.monotonic()
+        got = self.gen("b", turn, ANSWER_TOKENS)
+        took = time.monotonic() - t0
+        ref = self.gen("n", turn, ANSWER_TOKENS)
+        return {
+            "ok": took < FALLBACK_S_MAX and got["cached"] == 0 and got["tokens"] == ref["tokens"],
+            "seconds_to_answer": round(took, 3),
+            "cached": got["cached"],
+        }
+
+    # -------------------------------------------------------- measurements
+
+    def loads(self, name: str, before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+        d = {k: after[k] - before.get(k, 0.0) for k in after}
+        by_source = {
+            k.split("source=")[1].rstrip("}"): v
+            for k, v in d.items()
+            if k.startswith("kvdir:loaded_bytes_total{") and v
+        }
+        return {
+            "loaded_bytes": by_source,
+            "load_s": d.get("kvdir:load_seconds_sum", 0.0),
+            "loads": d.get("kvdir:load_seconds_count", 0.0),
+        }
+
+    def bare_copy_s(self, nbytes: int) -> float:
+        """A device-to-device copy of `nbytes` in one call (the connector's floor)."""
+        import torch
+
+        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        torch.cuda.synchronize()
+        out = time.perf_counter() - t0
+        del src, dst
+        torch.cuda.empty_cache()
+        return out
+
+    def bare_fetch(self, tokens: list[int]) -> dict[str, Any]:
+        """Agent c's own fetch of `tokens`' blocks (tcp into pinned host, one upload)."""
+        from kvdir.agent.engine_client import EngineClient
+
+        chain, ns = keys(tokens), self.n.shape.ns()
+        client = EngineClient(self.n.socket("c"))
+        try:
+            slots = client.allocate(ns, len(chain), evict=True).slots
+            t0 = time.perf_counter()
+            r = client.fetch(ns, chain, slots, 30_000)
+            took = time.perf_counter() - t0
+            client.free(ns, slots)
+        finally:
+            client.close()
+        return {"seconds": took, "bytes": int(r.bytes), "valid_blocks": int(r.valid_blocks),
+                "transport": r.transport}  # fmt: skip
+
+    def measure(self, tokens: int, seed: int) -> dict[str, Any]:
+        v = self.vocab
+        p = prompt(seed, tokens, v)
+        turn = p + prompt(seed + 1, TURN_TOKENS, v)
+        row: dict[str, Any] = {"tokens": tokens}
+        row["plain_prefill"] = self.gen("n", prompt(seed + 2, tokens, v))["seconds"]
+        row["saving_prefill"] = self.gen("a", p)["seconds"]
+        self.a_holds(p)
+        row["bare_fetch"] = self.bare_fetch(p)
+        rec = self.gen("n", turn)
+        row["recompute"] = rec["seconds"]
+        for name, path in (("b", "ipc"), ("c", "host")):
+            before = self.metrics(name)
+            got = self.gen(name, turn)
+            row[path] = {
+                "ttft": got["seconds"],
+                "cached": got["cached"],
+                "same_first_token": got["tokens"] == rec["tokens"],
+                **self.loads(name, before, self.metrics(name)),
+            }
+        floor = self.gen("b", turn)
+        row["floor"] = floor["seconds"]
+        row["floor_cached"] = floor["cached"]
+        nbytes = (len(p) // BLOCK_TOKENS) * self.n.shape.block_bytes
+        row["bare_copy_s"] = self.bare_copy_s(nbytes)
+        row["bytes"] = nbytes
+        print(f"==> {tokens} tokens: {row}", flush=True)
+        return row
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def med(get: Callable[[dict[str, Any]], float]) -> float:
+        return float(statistics.median(get(r) for r in rows))
+
+    s: dict[str, Any] = {"tokens": rows[0]["tokens"], "repeats": len(rows)}
+    s["recompute_s"] = med(lambda r: r["recompute"])
+    s["floor_s"] = med(lambda r: r["floor"])
+    s["ipc_s"] = med(lambda r: r["ipc"]["ttft"])
+    s["host_s"] = med(lambda r: r["host"]["ttft"])
+    s["ipc_load_s"] = med(lambda r: r["ipc"]["load_s"])
+    s["host_load_s"] = med(lambda r: r["host"]["load_s"])
+    s["bare_copy_s"] = med(lambda r: r["bare_copy_s"])
+    s["bare_fetch_s"] = med(lambda r: r["bare_fetch"]["seconds"])
+    s["bytes"] = rows[0]["bytes"]
+    s["saving_prefill_s"] = med(lambda r: r["saving_prefill"])
+    s["plain_prefill_s"] = med(lambda r: r["plain_prefill"])
+    s["save_overhead"] = s["saving_prefill_s"] / s["plain_prefill_s"] - 1
+    s["ipc_vs_floor"] = s["ipc_s"] / s["floor_s"]
+    s["ipc_load_vs_copy"] = s["ipc_load_s"] / s["bare_copy_s"] if s["bare_copy_s"] else 0.0
+    s["host_load_vs_bare"] = s["bare_fetch_s"] / s["host_load_s"] if s["host_load_s"] else 0.0
+    s["cached_min"] = min(min(r["ipc"]["cached"], r["host"]["cached"]) for r in rows)
+    s["sources"] = sorted({k for r in rows for p in ("ipc", "host") for k in r[p]["loaded_bytes"]})
+    s["correct"] = all(r[p]["same_first_token"] for r in rows for p in ("ipc", "host"))
+    return s
+
+
+def _ms(x: float) -> str:
+    return f"{1000 * x:.1f}"
+
+
+def markdown(
+    head: dict[str, Any],
+    shape: str,
+    summary: list[dict[str, Any]],
+    checks: list[dict[str, Any]],
+    targets: list[report.Target],
+    note: str,
+) -> str:
+    ms = _ms
+    rows = [
+        [s["tokens"], ms(s["recompute_s"]), ms(s["ipc_s"]), ms(s["host_s"]), ms(s["floor_s"]),
+         f"{s['ipc_vs_floor']:.2f}", ms(s["ipc_load_s"]), ms(s["bare_copy_s"]),
+         ms(s["host_load_s"]), ms(s["bare_fetch_s"]), ms(s["plain_prefill_s"]),
+         ms(s["saving_prefill_s"]), f"{100 * s['save_overhead']:+.1f}%", s["cached_min"],
+         "yes" if s["correct"] else "NO"]
+        for s in summary
+    ]  # fmt: skip
+    head_cells = [
+        "tokens", "recompute ms", "pull CUDA IPC ms", "pull host path ms", "local hit ms",
+        "IPC / local hit", "IPC load ms", "bare D2D copy ms", "host load ms",
+        "bare agent fetch ms", "plain prefill ms", "saving prefill ms", "save overhead",
+        "cached tokens (min)", "same first token",
+    ]  # fmt: skip
+    check_rows = [[c["check"], "ok" if c["ok"] else "FAILED",
+                   {k: v for k, v in c.items() if k not in ("check", "ok", "trace")}]
+                  for c in checks]  # fmt: skip
+    return "\n".join([
+        "# kvdir bench vllm --device cuda", "", report.header_markdown(head), "",
+        f"Model: {shape}. {note}", "", "## Turn-2 TTFT (median of repeats)", "",
+        report.table(rows, head_cells), "", "## Checks", "",
+        report.table(check_rows, ["check", "result", "seen"]), "", "## Targets", "",
+        report.targets_table(targets), "",
+    ])  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    shape = SHAPES[args.shape]
+    started = dt.datetime.now(dt.UTC)
+    head = report.header(started)
+    try:
+        import vllm
+
+        head["vllm"] = vllm.__version__
+    except ImportError:
+        print("kvdir bench vllm --device cuda: vLLM is not importable here", file=sys.stderr)
+        return 2
+    os.environ["PYTHONHASHSEED"] = HASH_SEED
+    max_len = max(args.tokens) + TURN_TOKENS + 4 * BLOCK_TOKENS
+    max_len = max(max_len, CHECK_TOKENS + TURN_TOKENS + 4 * BLOCK_TOKENS)
+    raw: dict[int, list[dict[str, Any]]] = {t: [] for t in args.tokens}
+    checks: list[dict[str, Any]] = []
+    if args.work_dir:  # kept: its logs are the record of a device run
+        os.makedirs(args.work_dir, exist_ok=True)
+        base_ctx: Any = contextlib.nullcontext(args.work_dir)
+    else:
+        base_ctx = tempfile.TemporaryDirectory(prefix="kvdir-bench-gpu-")
+    with base_ctx as tmp, gpu_nodes(tmp, shape, max_len, args.pool_slots, args.memory_share) as n:
+        b = Bench(n)
+        b.gen("n", prompt(1, 256, shape.vocab))  # warm every engine once
+        for name in ("a", "b", "c"):
+            b.gen(name, prompt(2, 256, shape.vocab))
+        if not args.skip_checks:
+            b.check("ipc", lambda: b.pulled("b", 100, "cuda"))
+            b.check("host", lambda: b.pulled("c", 100, "tcp"))
+            b.check("tenants", b.tenants)
+            b.check("reuse", b.reuse)
+        seed = 1000
+        for rep in range(args.repeats):
+            for tokens in args.tokens:
+                with contextlib.suppress(ClusterError):
+                    raw[tokens].append(b.measure(tokens, seed))
+                seed += 10
+            print(f"==> repeat {rep + 1} done", flush=True)
+        if not args.skip_checks:
+            b.check("agent_killed", b.agent_killed)
+            b.check("directory_down", b.directory_down)
+        checks = b.checks
+    summary = [summarize(rows) for rows in raw.values() if rows]
+    longest = max(summary, key=lambda s: s["tokens"]) if summary else None
+    targets = [
+        report.at_most("ipc_vs_floor", f"pulled TTFT over CUDA IPC / local hit at "
+                       f"{longest['tokens'] if longest else '-'} tokens",
+                       longest["ipc_vs_floor"] if longest else None, IPC_VS_FLOOR_MAX, "x"),
+        report.at_most("load_vs_copy", "IPC load / bare device copy (worst)",
+                       max((s["ipc_load_vs_copy"] for s in summary), default=None),
+                       LOAD_VS_COPY_MAX, "x"),
+        report.at_least("host_vs_bare", "host-path load rate / bare fetch rate (worst)",
+                        min((s["host_load_vs_bare"] for s in summary), default=None),
+                        HOST_LOAD_VS_BARE_MIN, "x"),
+        report.at_most("save_overhead", "prefill added by saving (worst)",
+                       max((s["save_overhead"] for s in summary), default=None),
+                       SAVE_OVERHEAD_MAX, ""),
+    ]  # fmt: skip
+    head["wall_s"] = (dt.datetime.now(dt.UTC) - started).total_seconds()
+    md = markdown(head, shape.describe(), summary, checks, targets, args.note)
+    data = {**head, "shape": shape.describe(), "summary": summary, "raw": raw, "checks": checks,
+            "targets": [t.as_dict() for t in targets]}  # fmt: skip
+    md_path, js_path = report.write(Path(args.out), f"vllm-gpu-{started:%Y-%m-%d}", md, data)
+    print(md)
+    print(f"wrote {md_path} and {js_path}")
+    failed = [c["check"] for c in checks if not c["ok"]]
+    wrong = not all(s["correct"] for s in summary)
+    return 1 if failed or wrong else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.vllm.gpu", description=__doc__)
+    p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--note", default="")
+    p.add_argument("--out", default=str(report.REPO_ROOT / "bench" / "results"))
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())
