@@ -4,7 +4,9 @@ A stream starts either from the hub's history (the caller's `from_index` is
 still covered) or from a snapshot captured between two applies, atomically
 with the watcher's registration, then relays what the hub queues for it, and
 a heartbeat when nothing came for `heartbeat_ms`. Every event carries the
-replica's applied and commit index, so a mirror knows how far behind it is.
+replica's applied and commit index, so a mirror knows how far behind it is,
+and the cluster id, so a mirror never resumes by index into another cluster's
+log (after a `restore`, index N names another command).
 
 A watcher filtered to some namespaces gets a snapshot of those namespaces'
 entries and every node (`snapshot.restrict`), the table its stream then
@@ -92,11 +94,13 @@ class WatchService:
             self.hub.committed(index, codec.encode(cmd), namespace_of(cmd))
 
     def _event(self, applied: int) -> pb.WatchEvent:
+        st = self.consensus.status()
         return pb.WatchEvent(
             applied_index=applied,
-            commit_index=max(self.consensus.status().commit_index, applied),
+            commit_index=max(st.commit_index, applied),
             replica_id=self.replica_id,
             command_version=codec.VERSION,
+            cluster_id=st.cluster_id,
         )
 
     def watch(self, req: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.WatchEvent]:

@@ -14,10 +14,15 @@ apply only committed commands, in log order, so the table is always the
 table of the committed log at `applied_index`; `applied_index` only grows (a
 snapshot older than what the mirror has is dropped, and commands at or
 below `applied_index` are skipped, whichever replica sends them). How far
-behind it may be is what `lag()` says. A stale answer is safe: it can name a
-block that has since moved or gone, and every reader validates the
-generation of what it read before using it (docs/agent.md), so staleness
-costs a miss or a wasted transfer, never wrong data.
+behind it may be is what `lag()` says. All of this holds within one cluster's
+log: every event names its cluster (`cluster_id`), and a mirror whose table
+came from another one (a `kvdir directory restore` gave the cluster a new id)
+forgets its table, stops serving and raises `Resync`, so it starts again from
+a snapshot of the new log; only then may its applied index be lower. A
+stale answer is safe: it can name a block that has since moved or gone, and
+every reader validates the generation of what it read before using it
+(docs/agent.md), so staleness costs a miss or a wasted transfer, never wrong
+data.
 
 A mirror filtered to some namespaces (`namespaces`, the same list its stream
 asks for) holds the table of those namespaces' commands and every node-wide
@@ -77,6 +82,10 @@ class MirrorError(Exception):
     """The stream is not something this mirror can apply (it stops, stale)."""
 
 
+class Resync(Exception):
+    """The stream is another cluster's log: reconnect, from a snapshot (`resume_index` is 0)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Lag:
     applied_index: int
@@ -104,6 +113,10 @@ class Mirror:
         self.commit_index = 0
         self.ready = False
         """Whether the mirror has a starting point (a snapshot, or commands from 0)."""
+        self.cluster_id: str | None = None
+        """The cluster whose log the table is of (None before a starting point)."""
+        self.resyncs = 0
+        """Times the stream turned out to be another cluster's (see `Resync`)."""
         self.source = ""
         self.max_staleness_s = max_staleness_s
         self.watched = list(namespaces)
@@ -136,8 +149,15 @@ class Mirror:
             )
         now = self._clock()
         kind = ev.WhichOneof("event")
+        if self.ready and ev.cluster_id != self.cluster_id:
+            self._forget(ev.cluster_id, ev.replica_id)
+            if kind != "snapshot":  # a snapshot is itself the new starting point
+                raise Resync(
+                    f"replica {ev.replica_id!r} serves cluster {ev.cluster_id!r}, "
+                    f"the mirror's table is of {self.cluster_id!r}"
+                )
         if kind == "snapshot":
-            self._on_snapshot(ev.snapshot)
+            self._on_snapshot(ev.snapshot, ev.cluster_id)
         elif kind == "entries":
             self._on_entries(ev.entries)
         if self.ready and not self._snap:
@@ -146,7 +166,19 @@ class Mirror:
         self.source = ev.replica_id
         self._heard_commit(ev.commit_index, now)
 
-    def _on_snapshot(self, s: pb.WatchSnapshot) -> None:
+    def _forget(self, cluster_id: str, replica_id: str) -> None:
+        """Another cluster's stream: drop this table and every index heard from the old log."""
+        with self.lock:
+            self.ready = False
+            self.table = Table()
+            self.applied_index = 0
+            self.commit_index = 0
+        self._commits.clear()
+        self._snap = bytearray()
+        self.resyncs += 1
+        self.error = f"replica {replica_id!r} serves cluster {cluster_id!r}: resynchronising"
+
+    def _on_snapshot(self, s: pb.WatchSnapshot, cluster_id: str) -> None:
         if not self._snap:
             if s.total_bytes > SNAPSHOT_BYTES_MAX:
                 raise MirrorError(f"a snapshot of {s.total_bytes} bytes is over the limit")
@@ -169,6 +201,7 @@ class Mirror:
             self.table = table
             self.applied_index = s.index
             self.ready = True
+            self.cluster_id = cluster_id
         self.snapshots += 1
 
     def _on_entries(self, e: pb.WatchEntries) -> None:

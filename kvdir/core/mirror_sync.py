@@ -5,7 +5,9 @@ A background thread holds one `Watch` call at a time. When the stream ends
 a snapshot, or answered OUT_OF_RANGE because it is behind us), it resumes
 from the mirror's applied index, on the same replica for a cut-off and on the
 next one otherwise; the replica answers with the commands after that index,
-or with a snapshot when it no longer holds them. Any replica will do: each
+or with a snapshot when it no longer holds them. A stream of another
+cluster's log (the mirror raised `Resync`) is dropped and reopened at once
+from a snapshot. Any replica will do: each
 sends only committed commands, and the mirror skips what it already has.
 """
 
@@ -18,7 +20,7 @@ from typing import Any
 
 import grpc
 
-from kvdir.core.mirror import Mirror, MirrorError
+from kvdir.core.mirror import Mirror, MirrorError, Resync
 from kvdir.core.security import PLAIN, ClientSecurity
 from kvdir.core.wire import GRPC_MESSAGE_BYTES_MAX
 from kvdir.v1 import directory_pb2 as pb
@@ -116,6 +118,11 @@ class MirrorSync:
             if e.code() != grpc.StatusCode.CANCELLED:
                 log.info("mirror stream ended: %s", status)
             return "applied" if got and e.code() in _SAME_REPLICA else e.code().name
+        except Resync as e:
+            self.last_status = f"{address}: {e}"
+            log.warning("mirror resynchronising: %s", self.last_status)
+            call.cancel()  # type: ignore[no-untyped-call]
+            return "applied"  # reconnect at once; resume_index() is now 0: a snapshot
         except MirrorError as e:
             # A stream we cannot apply (a newer command format): stop loudly, stay stale.
             self.last_status = f"{address}: {e}"

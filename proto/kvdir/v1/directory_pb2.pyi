@@ -1009,6 +1009,7 @@ class WatchEvent(_message.Message):
     COMMIT_INDEX_FIELD_NUMBER: _builtins.int
     REPLICA_ID_FIELD_NUMBER: _builtins.int
     COMMAND_VERSION_FIELD_NUMBER: _builtins.int
+    CLUSTER_ID_FIELD_NUMBER: _builtins.int
     applied_index: _builtins.int
     """Every command up to this index has been sent (heartbeats advance a
     mirror's position over entries that change nothing).
@@ -1018,6 +1019,12 @@ class WatchEvent(_message.Message):
     replica_id: _builtins.str
     command_version: _builtins.int
     """directory/codec.py VERSION"""
+    cluster_id: _builtins.str
+    """The cluster whose log this is ("" for a cluster never restored; `kvdir
+    directory restore|recover` gives the restored one a new id). A mirror whose
+    table came from another cluster id starts again from a snapshot: indexes
+    of two clusters' logs name different commands.
+    """
     @_builtins.property
     def snapshot(self) -> Global___WatchSnapshot: ...
     @_builtins.property
@@ -1034,10 +1041,11 @@ class WatchEvent(_message.Message):
         commit_index: _builtins.int = ...,
         replica_id: _builtins.str = ...,
         command_version: _builtins.int = ...,
+        cluster_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "event", b"event", "heartbeat", b"heartbeat", "snapshot", b"snapshot"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_index", b"applied_index", "command_version", b"command_version", "commit_index", b"commit_index", "entries", b"entries", "event", b"event", "heartbeat", b"heartbeat", "replica_id", b"replica_id", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_index", b"applied_index", "cluster_id", b"cluster_id", "command_version", b"command_version", "commit_index", b"commit_index", "entries", b"entries", "event", b"event", "heartbeat", b"heartbeat", "replica_id", b"replica_id", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["snapshot", "entries", "heartbeat"]  # noqa: Y015
     _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
