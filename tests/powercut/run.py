@@ -26,8 +26,9 @@ Command line (root, qemu, mmdebstrap)::
 ``both`` (what CI runs) begins with the single-replica cut on boot 0 and then
 writes again until the first full cut, so one set of boots shows both.
 
-The guest runs under TCG emulation unless `--kvm` (nested KVM does not run
-guests on every host: on some /dev/kvm opens and no vCPU ever runs). Under
+The guest runs under KVM where a probe finds a kernel booting (tests/rdma/accel.py:
+nested KVM does not run guests on every host), else under TCG emulation; `--kvm`
+insists on KVM, and with it the replicas keep their default timeouts. Under
 emulation Python is 10-100x slower than on a host, so the replicas run with
 the election timeouts a starved host would set (`EMULATION_TUNING`, as the
 systemd VM test does); `--serve-arg` adds or overrides flags.
@@ -47,6 +48,7 @@ from typing import Any
 
 from tests.powercut import vm
 from tests.powercut.guest import WRITING_AGAIN
+from tests.rdma import accel
 from tests.rdma.vm import OUT_MOUNT, VmError
 
 BOOT_TIMEOUT_S = 3600.0
@@ -205,14 +207,22 @@ def run(
     early_cut_window_s: float = 120.0,
     boot_timeout_s: float = BOOT_TIMEOUT_S,
     log: bool = True,
-    kvm: bool = False,
+    kvm: bool | None = None,
 ) -> RunResult:
-    """`cuts` power cuts on one set of disks, each followed by a checking boot."""
+    """`cuts` power cuts on one set of disks, each followed by a checking boot.
+
+    `kvm`: None boots under KVM where a vCPU runs here, else TCG (tests/rdma/accel.py);
+    True insists on KVM; False emulates.
+    """
     rng = random.Random(seed)
     source, commit = vm.source_snapshot(work / "src")  # first: before anything can change
     image = vm.build()
-    if not kvm:
+    if kvm and not accel.uses_kvm(image.kernel):
+        raise VmError("KVM asked for, but no KVM vCPU runs here (tests/rdma/accel.py)")
+    if kvm is not True:
+        # Also under a probed KVM: in CI the guest shares two busy cores with the suite.
         serve_args = [f"--tune={t}" for t in EMULATION_TUNING] + list(serve_args or [])
+    kvm = accel.uses_kvm(image.kernel) if kvm is None else kvm
     disks = vm.make_disks(work / "disks")
     out = work / "share"
     res = RunResult(scenario, seed, kvm, list(serve_args or []), commit)
@@ -322,7 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--results", default="", help="write powercut-DATE.{md,json} here")
     ap.add_argument("--boot-timeout-s", type=float, default=BOOT_TIMEOUT_S)
-    ap.add_argument("--kvm", action="store_true", help="run the guest under KVM")
+    ap.add_argument(
+        "--kvm", action="store_true", default=None, help="insist on KVM (default: probed)"
+    )
+    ap.add_argument("--tcg", action="store_false", dest="kvm", help="emulate (TCG)")
     ap.add_argument("--early-cut-p", type=float, default=0.15)
     ap.add_argument("--write-window-s", type=float, default=45.0)
     args = ap.parse_args(argv)

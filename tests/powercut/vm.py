@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.rdma import accel as accel_mod
 from tests.rdma import vm
 
 RECIPE_VERSION = "1"
@@ -217,9 +218,8 @@ def start(
     (out_dir / "cwd").write_text(str(source))
     acks = out_dir / f"acks-{boot}.log"
     console = out_dir / f"console-{boot}.log"
-    accel = (
-        ["-accel", "kvm", "-cpu", "host"] if kvm else ["-accel", "tcg,thread=multi", "-cpu", "max"]
-    )
+    # KVM with the CPU model the probe found booting here, else TCG (tests/rdma/accel.py).
+    accel = accel_mod.qemu_args(image.kernel) if kvm else accel_mod.TCG
     args = [
         "qemu-system-x86_64",
         *accel,

@@ -1,10 +1,10 @@
 """A Soft-RoCE VM for the rdma test tier: built from Debian packages, cached, booted offline.
 
 Why a VM: the host kernels here have no CONFIG_INFINIBAND, so `rdma_rxe`
-cannot run on them. A qemu VM (TCG emulation) booting Debian's generic kernel
-gives a real ibverbs stack: rdma_rxe on a dummy netdev, rdma-core 44, Debian's
-python3-pyverbs, perftest. See ../shared/notes/softroce-vm.md for the facts
-this relies on.
+cannot run on them. A qemu VM (KVM where a vCPU runs, else TCG emulation:
+accel.py) booting Debian's generic kernel gives a real ibverbs stack: rdma_rxe
+on a dummy netdev, rdma-core 44, Debian's python3-pyverbs, perftest. See
+../shared/notes/softroce-vm.md for the facts this relies on.
 
 Build (cached): the kernel package is unpacked with `apt-get download` +
 `dpkg -x`; the guest userland is `mmdebstrap --variant=essential` of the
@@ -38,6 +38,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from tests.rdma import accel
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RECIPE_VERSION = "3"
@@ -404,10 +406,7 @@ def boot(
     (out_dir / "cwd").write_text(cwd or str(REPO_ROOT))
     args = [
         "qemu-system-x86_64",
-        "-accel",
-        "tcg,thread=multi",
-        "-cpu",
-        "max",
+        *accel.qemu_args(image.kernel),  # KVM where a guest kernel runs here, else TCG
         "-smp",
         str(GUEST_CPUS),
         "-m",
