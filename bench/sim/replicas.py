@@ -36,14 +36,22 @@ START_S = 1000.0
 """The simulated clock's first reading (pysyncobj divides it into compaction windows)."""
 
 
+READ_COST_S = 0.0002
+"""Simulated time each clock reading costs. pysyncobj bounds some loops only by the
+clock (a leader sends to a follower that needs a snapshot in a loop that ends after
+`appendEntriesPeriod`): on a clock that stood still they would never end."""
+
+
 class SimClock:
-    """Seconds, advanced only by the simulator."""
+    """Seconds, advanced by the simulator and by every reading (`READ_COST_S`)."""
 
     def __init__(self) -> None:
         self.now = START_S
 
     def __call__(self) -> float:
-        return self.now
+        t = self.now
+        self.now += READ_COST_S
+        return t
 
     @contextlib.contextmanager
     def installed(self, seed: int) -> Iterator[None]:
