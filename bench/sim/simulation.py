@@ -48,7 +48,7 @@ HEAL_STEPS_MAX = 3000
 """After the faults: steps (of TICK_S) allowed for every replica to catch up."""
 TRACE_LINES_MAX = 60
 """Lines of trace kept for a failure report (the newest)."""
-DIGEST_EVERY_STEPS = 10
+DIGEST_EVERY_STEPS = 50
 """Table digests are compared every this many steps (a digest reads the whole table)."""
 SHM = "/dev/shm"
 
@@ -357,7 +357,7 @@ class Simulation:
 
     # ------------------------------------------------------------ checks
 
-    def _check(self) -> None:
+    def _check(self, final: bool = False) -> None:
         sample = self.step % DIGEST_EVERY_STEPS == 0
         for addr in sorted(self.seats):
             seat = self.seats[addr]
@@ -372,7 +372,7 @@ class Simulation:
                 self._note(f"{addr} {name} in term {term} (commit {int(r.raftCommitIndex)})")
             seat.checked_commit = self.inv.commit(addr, r, seat.checked_commit)
             applied = int(r.raftLastApplied)
-            if sample and applied != seat.seen_applied:
+            if (sample or final) and applied != seat.seen_applied:
                 seat.seen_applied = applied
                 self.inv.digest(addr, applied, r.table.digest())
 
@@ -408,6 +408,7 @@ class Simulation:
         )
 
     def _final_checks(self) -> None:
+        self._check(final=True)  # every replica's digest, at the index they all reached
         ops = self.work.ops
         for key, verdict in sorted(
             (k, check_key(v)) for k, v in by_key(o for o in ops if o.outcome != "fail").items()
