@@ -6,7 +6,8 @@ tick thread, the recording `Disk` syncer, background jobs queued for the
 simulator) and through pysyncobj's one clock function, which `SimClock.installed`
 replaces for the duration of a run (pysyncobj reads `monotonicTime` from its
 module; kvdir's replica reads `raft_clock`). The Python `random` module that
-pysyncobj and the replica draw election timeouts from is seeded per run.
+pysyncobj and the replica draw election timeouts from is seeded per run, and
+pysyncobj's nodes hash the same in every process (`_stable_hash`).
 
 A crash drops the replica object without its clean stop (nothing staged is
 written; open files are just closed, as the kernel would), and a power loss
@@ -18,11 +19,13 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pysyncobj.syncobj as pysyncobj_module
+from pysyncobj.node import Node
 
 from bench.sim.disk import Disk
 from bench.sim.net import Network, transport_class
@@ -58,14 +61,24 @@ class SimClock:
         """pysyncobj's and the replica's clock read this one; `random` is seeded."""
         module: Any = _replica  # its clock is a module attribute, as pysyncobj's is
         saved = (pysyncobj_module.monotonicTime, module.raft_clock, random.getstate())
+        node_hash = Node.__hash__
         pysyncobj_module.monotonicTime = self
         module.raft_clock = self
+        Node.__hash__ = _stable_hash
         random.seed(f"sim-random/{seed}")
         try:
             yield
         finally:
             pysyncobj_module.monotonicTime, module.raft_clock, state = saved
+            Node.__hash__ = node_hash
             random.setstate(state)
+
+
+def _stable_hash(node: Any) -> int:
+    """pysyncobj keeps nodes in sets and iterates them (sending, counting); a node hashes
+    as its address string, whose hash differs per process. A hash of the bytes keeps that
+    order, and so every clock reading and message, the same in every process."""
+    return zlib.crc32(str(node.id).encode())
 
 
 class _NullPoller:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -66,6 +68,28 @@ def test_a_seed_replays_identically() -> None:
     assert [str(v) for v in first.violations] == [str(v) for v in second.violations]
     assert len(first.trace) > 50  # it did something worth replaying
     assert run_seed(7, 400).trace != first.trace
+
+
+_TRACE_DIGEST = (
+    "import hashlib; from bench.sim.simulation import run_seed; "
+    "print(hashlib.sha256(chr(10).join(run_seed(5, 300).trace).encode()).hexdigest())"
+)
+
+
+def test_a_seed_replays_identically_in_another_process() -> None:
+    """String hashing differs per process (PYTHONHASHSEED); the run must not."""
+    digests = {
+        subprocess.run(
+            [sys.executable, "-c", _TRACE_DIGEST],
+            env={**os.environ, "PYTHONHASHSEED": str(h)},
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=120,
+        ).stdout.strip()
+        for h in (1, 2)
+    }
+    assert len(digests) == 1, digests
 
 
 PowerCuts = Knobs(
