@@ -279,9 +279,17 @@ class Simulation:
             return
 
         def on_cut(index: int) -> None:
+            self._note(
+                f"{addr} cuts its log from {index} (last {r.last_log_index()}, "
+                f"commit {int(r.raftCommitIndex)})"
+            )
             self.inv.cut(addr, r, index)
 
+        def on_install(index: int) -> None:
+            self._note(f"{addr} loaded a snapshot up to {index}")
+
         watch_cuts(r, on_cut)
+        r.add_listener(_ignore, on_install)
         self._note(f"{addr} started (run {seat.incarnation})")
 
     def _crash(self, addr: str, power: bool) -> None:
@@ -438,6 +446,10 @@ class Simulation:
             "steps_run": self.step,
         }
         self._note(f"end {self.result.stats}")
+
+
+def _ignore(*_: Any) -> None:
+    pass
 
 
 def _mkdir(path: str) -> str:
