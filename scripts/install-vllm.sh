@@ -15,7 +15,14 @@ dest=${2:-${KVDIR_VLLM_HOME:-$HOME/.cache/kvdir}/vllm-$version}
 py=$dest/bin/python
 probe='import vllm.distributed.kv_events, vllm.v1.core.block_pool, vllm.v1.core.kv_cache_utils'
 
+source "$(dirname "$0")/probe-stamp.sh"
+
+if probe_is_stamped "$dest" "$probe"; then
+  echo "vllm $version: $dest (cached, probed before)"
+  exit 0
+fi
 if [[ -x $py ]] && "$py" -c "$probe" >/dev/null 2>&1; then
+  probe_stamp "$dest" "$probe"
   echo "vllm $version: $dest (cached)"
   exit 0
 fi
@@ -33,4 +40,5 @@ pip=("$py" -m pip install --quiet --disable-pip-version-check)
   protobuf watchfiles python-json-logger openai-harmony mistral_common compressed-tensors \
   depyf pyzmq msgpack tqdm filelock typing_extensions
 "$py" -c "$probe"
+probe_stamp "$dest" "$probe"
 echo "vllm $version: $dest"

@@ -2,7 +2,7 @@
 
 `tests/powercut/run.py` does the work (see its docstring for what a cut is and
 what is checked); CI runs the `both` scenario: the single-replica cut, then a
-few whole-VM cuts on the same disks (one test, so the VM boots once less).
+whole-VM cut on the same disks (one test, so the VM boots once less).
 The long run (>= 20 cuts) is `python -m tests.powercut.run --cuts 24`, with its
 results committed under bench/results/. Where the VM cannot be built or booted
 (no root, no qemu) the tests are skipped locally and fail under CI.
@@ -22,7 +22,15 @@ from tests.tools import needs
 
 pytestmark = [pytest.mark.powercut, pytest.mark.slow]
 
-CI_CUTS = 2
+CI_CUTS = 1
+"""The cuts that each prove something different, on one set of disks: a single replica's
+power while the others serve (checked online), then the whole VM's while writing
+(checked on the next boot). A second whole-VM cut repeated the first kind and cost a
+boot under emulation (one of three); the long run (24 cuts, early cuts among them) is
+the committed benchmark under bench/results/."""
+CI_WRITE_WINDOW_S = 20.0
+"""The whole-VM cut falls 1-20 s into writing: tens of writes a second emulated, so
+acknowledged writes are in flight either way, and the boot is shorter than with 45."""
 VM_TIMEOUT_S = 1500  # each test boots the VM a few times; far more means a hung guest
 
 _HOST_TOOLS = ("qemu-system-x86_64", "mmdebstrap", "cpio", "depmod", "mkfs.ext4", "dmsetup")
@@ -41,9 +49,16 @@ def _explain(res: run.RunResult) -> str:
 @pytest.mark.timeout(VM_TIMEOUT_S)
 def test_power_cuts_of_one_replica_then_of_all_lose_no_acknowledged_write() -> None:
     """Boot 0 cuts one follower while the others serve, then writes on until the whole
-    VM's power goes; CI_CUTS - 1 more whole-VM cuts follow, each boot checked."""
+    VM's power goes; CI_CUTS - 1 more whole-VM cuts follow, each next boot checked."""
     work = Path(tempfile.mkdtemp(prefix="kvdir-powercut-"))
-    res = run.run(CI_CUTS, seed=7, work=work, scenario="both", early_cut_p=0.0)
+    res = run.run(
+        CI_CUTS,
+        seed=7,
+        work=work,
+        scenario="both",
+        early_cut_p=0.0,
+        write_window_s=CI_WRITE_WINDOW_S,
+    )
     assert res.replica_cut.get("acked", 0) > 0, _explain(res)
     assert len(res.checks) == CI_CUTS, _explain(res)
     assert all(c.acked > 0 for c in res.checks), _explain(res)
