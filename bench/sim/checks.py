@@ -9,6 +9,11 @@
   conflicting entry); the cut is seen by wrapping the journal's
   `deleteEntriesFrom`.
 - `digests`: replicas at the same applied index have the same table digest.
+- `applied`: every entry a replica applies (what its apply listeners, and so
+  a Watch stream and every mirror, see) is the entry committed at that index.
+  An entry applied before any replica was seen committing its index waits in
+  `pending` until one is (an entry still pending when the run ends was never
+  committed).
 
 A violation is a `Violation` (kind, step, detail); the run records it and
 goes on, so one seed can show several.
@@ -45,6 +50,7 @@ class Invariants:
     leaders: dict[int, str] = field(default_factory=dict)
     committed: dict[int, tuple[int, int]] = field(default_factory=dict)
     digests: dict[int, tuple[bytes, str]] = field(default_factory=dict)
+    pending: dict[int, list[tuple[str, tuple[int, int]]]] = field(default_factory=dict)
 
     def leader(self, address: str, role: int, term: int) -> None:
         if role != _LEADER:
@@ -64,6 +70,8 @@ class Invariants:
                 continue  # compacted into a snapshot before we looked
             fp = fingerprint(entry)
             known = self.committed.setdefault(idx, fp)
+            for applier, applied in self.pending.pop(idx, []):
+                self._applied_check(applier, idx, applied, known)
             if known != fp:
                 self.report(
                     "committed_entry_differs",
@@ -85,6 +93,37 @@ class Invariants:
                 f"{address} cuts from {from_index}, an entry matching the committed one "
                 f"(term {entry[2]}; commit index {commit})",
             )
+
+    def applied(self, address: str, index: int, entry: tuple[bytes, int, int] | None) -> None:
+        """Called as `address` applies the entry at `index` (before anything sees it)."""
+        if entry is None:
+            return
+        fp = fingerprint(entry)
+        known = self.committed.get(index)
+        if known is None:
+            self.pending.setdefault(index, []).append((address, fp))
+        else:
+            self._applied_check(address, index, fp, known)
+
+    def _applied_check(
+        self, address: str, index: int, applied: tuple[int, int], committed: tuple[int, int]
+    ) -> None:
+        if applied != committed:
+            self.report(
+                "applied_uncommitted",
+                f"{address} applied index {index} term {applied[0]}; "
+                f"term {committed[0]} was committed there",
+            )
+
+    def never_committed(self) -> None:
+        """At the end: entries applied at an index no replica ever committed."""
+        for index, appliers in sorted(self.pending.items()):
+            for address, fp in appliers:
+                self.report(
+                    "applied_uncommitted",
+                    f"{address} applied index {index} term {fp[0]}, never committed",
+                )
+        self.pending = {}
 
     def digest(self, address: str, applied: int, digest: bytes) -> None:
         known = self.digests.setdefault(applied, (digest, address))

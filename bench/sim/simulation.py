@@ -288,8 +288,11 @@ class Simulation:
         def on_install(index: int) -> None:
             self._note(f"{addr} loaded a snapshot up to {index}")
 
+        def on_apply(index: int, _cmd: object, _res: object) -> None:
+            self.inv.applied(addr, index, r.entry_at(index))
+
         watch_cuts(r, on_cut)
-        r.add_listener(_ignore, on_install)
+        r.add_listener(on_apply, on_install)
         self._note(f"{addr} started (run {seat.incarnation})")
 
     def _crash(self, addr: str, power: bool) -> None:
@@ -417,6 +420,7 @@ class Simulation:
 
     def _final_checks(self) -> None:
         self._check(final=True)  # every replica's digest, at the index they all reached
+        self.inv.never_committed()
         ops = self.work.ops
         for key, verdict in sorted(
             (k, check_key(v)) for k, v in by_key(o for o in ops if o.outcome != "fail").items()
@@ -446,10 +450,6 @@ class Simulation:
             "steps_run": self.step,
         }
         self._note(f"end {self.result.stats}")
-
-
-def _ignore(*_: Any) -> None:
-    pass
 
 
 def _mkdir(path: str) -> str:
