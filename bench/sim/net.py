@@ -5,7 +5,8 @@
 pysyncobj's TCP connection does (so a receiver never shares an object with
 the sender), and handed to the `Network`, which decides its fate from a
 random stream of its own link (seed, sender, receiver): lost, delayed,
-duplicated, or let overtake earlier messages of its link. Without those
+duplicated (Raft's messages, not forwarded client commands: `NOT_DUPLICATED`),
+or let overtake earlier messages of its link. Without those
 faults a link behaves like TCP: in order, each message once, and a broken
 connection loses whatever it still carried (messages carry the link's
 connection epoch).
@@ -53,6 +54,17 @@ class _InFlight:
     seq: int
     epoch: int
     data: bytes
+
+
+NOT_DUPLICATED = frozenset({"apply_command", "apply_command_response"})
+"""Message types never duplicated: a follower forwards a client's command to the
+leader as one `apply_command`, and the leader appends whatever arrives (no request
+id is checked), so a duplicate is a second write. TCP, the only transport
+pysyncobj runs on here, never duplicates; Raft's own messages are duplicated."""
+
+
+def _may_duplicate(message: Any) -> bool:
+    return not (isinstance(message, dict) and message.get("type") in NOT_DUPLICATED)
 
 
 class SimTransport(Transport):  # type: ignore[misc]
@@ -192,7 +204,8 @@ class Network:
             self.lost += 1
             return True
         data = pickle.dumps(message)
-        copies = 2 if rng.random() < f.duplicate else 1
+        duplicate = rng.random() < f.duplicate
+        copies = 2 if duplicate and _may_duplicate(message) else 1
         now = self.clock.now
         epoch = self._epoch.get(frozenset((src, dst)), 0)
         for _ in range(copies):
