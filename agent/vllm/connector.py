@@ -31,7 +31,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvdir.agent.vllm import vllm_api
-from kvdir.agent.vllm.config import ConnectorConfig, ConnectorConfigError, from_extra
+from kvdir.agent.vllm.config import (
+    SAVE_RESERVE_SLOTS_MAX,
+    ConnectorConfig,
+    ConnectorConfigError,
+    from_extra,
+)
 from kvdir.agent.vllm.namespace import KvShape, NamespaceError, dtype_name, namespace
 from kvdir.agent.vllm.plan import BlockTables
 from kvdir.agent.vllm.scheduler import SchedulerSide, StepMeta
@@ -267,6 +272,16 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 )
         self._start_worker(refuse=True)
 
+    def _reserve_slots(self) -> int:
+        """Save slots kept reserved: at least what one step can complete, twice over
+        (a step of max_num_batched_tokens fills that many blocks; fewer reserved
+        slots would skip saving part of every long prefill), at most half the pool."""
+        step_tokens = int(self._vllm_config.scheduler_config.max_num_batched_tokens)
+        per_step = -(-step_tokens // self.block_tokens)
+        want = max(self.cfg.save_reserve_slots, 2 * per_step)
+        pool_half = self.seam.pool.geometry.slots // 2  # the rest holds what was saved
+        return max(1, min(SAVE_RESERVE_SLOTS_MAX, want, pool_half))
+
     @staticmethod
     def _num_blocks(cache: torch.Tensor) -> int:
         return int(max(cache.shape[0], cache.shape[1]))
@@ -299,7 +314,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
             self._disabled = str(e)
             log.error("kvdir connector disabled, vLLM recomputes: %s", e)
             return None
-        self.worker = WorkerSide(self.seam, copier, self.cfg.save_reserve_slots, self.cfg.save)
+        self.worker = WorkerSide(self.seam, copier, self._reserve_slots(), self.cfg.save)
         if self.shape.device == "cuda":
             self.worker.engine_stream = int(torch.cuda.current_stream().cuda_stream)
         return self.worker

@@ -46,6 +46,10 @@ class Fetched:
     bytes: int = 0
     invalidated: int = 0
     source_node: str = ""
+    seconds: float = 0.0
+    """The agent's own time for the fetch (lookup, read, validation)."""
+    read_seconds: float = 0.0
+    """Of `seconds`: the data read, the header read and validation."""
 
 
 class AgentSeam:
@@ -155,7 +159,10 @@ class AgentSeam:
             raise self._failed(e) from e
         if not self.pool_is_current():
             raise self._failed(EngineError("the agent's pool file changed under us"))
-        return Fetched(r.valid_blocks, r.transport, r.bytes, r.invalidated, r.source_node)
+        return Fetched(
+            r.valid_blocks, r.transport, r.bytes, r.invalidated, r.source_node,
+            r.seconds, r.read_seconds,
+        )  # fmt: skip
 
     def stored(self, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
         client = self.attach()

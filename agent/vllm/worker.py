@@ -68,6 +68,9 @@ class Mover(Protocol):
 log = logging.getLogger("kvdir.vllm")
 
 LOAD_QUEUE_MAX = 4096
+ANNOUNCE_POLL_S = 0.001
+"""While saves are in flight (CUDA), how often the announcer looks for completed ones."""
+ANNOUNCE_IDLE_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +87,22 @@ class LoadJob:
     @property
     def end_block(self) -> int:
         return len(self.hashes)
+
+
+@dataclass(slots=True)
+class RemoteTrace:
+    """Where one load's peer part spent its time (logged per load)."""
+
+    blocks: int = 0
+    transport: str = ""
+    nbytes: int = 0
+    reserve_s: float = 0.0
+    fetch_s: float = 0.0
+    """The Fetch call as the engine saw it (socket round trip included)."""
+    agent_s: float = 0.0
+    read_s: float = 0.0
+    copy_s: float = 0.0
+    """Pool slots -> vLLM's blocks, until the bytes landed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,9 +168,11 @@ class WorkerSide:
         self._stash_lock = threading.Lock()
         self._refill = threading.Event()
         self._stop = threading.Event()
+        self._queued = threading.Event()
         self._threads = [
             threading.Thread(target=self._load_loop, name="kvdir-load", daemon=True),
             threading.Thread(target=self._refill_loop, name="kvdir-reserve", daemon=True),
+            threading.Thread(target=self._announce_loop, name="kvdir-announce", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -203,15 +224,20 @@ class WorkerSide:
         start, end = job.start_block, job.end_block
         local = self._load_local(job)
         got = start + local
+        trace = RemoteTrace()
         if got < end:
-            got += self._load_remote(job, got)
+            trace = self._load_remote(job, got)
+            got += trace.blocks
         took = self.clock() - t0
         with self._stats_lock:
             self.stats.load_seconds.append(took)
         log.info(
-            "kvdir load: request %s, blocks %d..%d: %d from this node's pool, %d from peers, "
-            "%d recomputed, %.2f ms",
-            job.req_id, start, end, local, got - start - local, end - got, took * 1e3,
+            "kvdir load: request %s, blocks %d..%d: %d from this node's pool, %d from peers "
+            "over %s (%d B), %d recomputed, %.2f ms (reserve %.2f, fetch %.2f of which agent "
+            "%.2f and read %.2f, copy %.2f)",
+            job.req_id, start, end, local, trace.blocks, trace.transport or "-", trace.nbytes,
+            end - got, took * 1e3, trace.reserve_s * 1e3, trace.fetch_s * 1e3,
+            trace.agent_s * 1e3, trace.read_s * 1e3, trace.copy_s * 1e3,
         )  # fmt: skip
         return list(job.block_ids[got - start :])
 
@@ -237,29 +263,53 @@ class WorkerSide:
                 self.stats.validation_misses += 1
         return n
 
-    def _load_remote(self, job: LoadJob, got: int) -> int:
+    def _load_remote(self, job: LoadJob, got: int) -> RemoteTrace:
+        trace = RemoteTrace()
+        t0 = self.clock()
         try:
-            slots = self.seam.reserve(job.end_block - got)
+            slots = self._load_slots(job.end_block - got)
         except AgentUnavailable:
-            return 0
+            return trace
+        t1 = self.clock()
+        trace.reserve_s = t1 - t0
         if not slots:
-            return 0
+            return trace
         try:
             r = self.seam.fetch(job.hashes[: got + len(slots)], got, slots)
         except AgentUnavailable:
             self._give_back(slots)
-            return 0
+            return trace
+        t2 = self.clock()
         v = r.valid_blocks
         first = got - job.start_block
         self.copier.from_pool(slots[:v], job.block_ids[first : first + v], self.engine_stream)
+        trace.copy_s = self.clock() - t2
+        trace.fetch_s, trace.agent_s, trace.read_s = t2 - t1, r.seconds, r.read_seconds
+        trace.blocks, trace.transport, trace.nbytes = v, r.transport, r.bytes
         if v:  # the fetched blocks stay in the pool, announced once their bytes are complete
             self.copier.fetched(slots[:v], job.hashes[got : got + v], r.transport)
+            self._queued.set()
         self._give_back(slots[v:])
         with self._stats_lock:
             self.stats.add_loaded(r.transport or "none", v, r.bytes)
             if r.invalidated:
                 self.stats.validation_misses += 1
-        return v
+        return trace
+
+    def _load_slots(self, count: int) -> list[int]:
+        """Slots to fetch into: the save reserve's when it has enough (no round trip
+        to the agent on the load's critical path; the refill thread tops it up),
+        else newly reserved ones."""
+        with self._stash_lock:
+            if len(self._stash) >= count:
+                slots, self._stash = self._stash[:count], self._stash[count:]
+            else:
+                slots = []
+        if slots:
+            if len(self._stash) < self.reserve_target // 2:
+                self._refill.set()
+            return slots
+        return self.seam.reserve(count)
 
     # -------------------------------------------------------------- saves
 
@@ -287,7 +337,22 @@ class WorkerSide:
         with self._stats_lock:
             self.stats.saved_blocks += n
             self.stats.saved_bytes += n * self.block_bytes
+        self._queued.set()
         self._announce()
+
+    def _announce_loop(self) -> None:
+        """Announce saves that complete after their step: an engine with no more
+        work takes no more steps, and its last saves must still be published."""
+        while not self._stop.is_set():
+            self._queued.wait(ANNOUNCE_IDLE_S)
+            self._queued.clear()
+            try:
+                while self.copier.in_flight and not self._stop.is_set():
+                    self._stop.wait(ANNOUNCE_POLL_S)
+                    self._announce()
+                self._announce()
+            except Exception:  # announcing is best effort; this thread must outlive a bug
+                log.exception("kvdir: announcing stored blocks failed")
 
     def _announce(self) -> None:
         """Announce stored every save and fetched block whose bytes are complete."""
@@ -328,6 +393,7 @@ class WorkerSide:
     def close(self) -> None:
         self._stop.set()
         self._refill.set()
+        self._queued.set()
         with contextlib.suppress(queue.Full):
             self._jobs.put_nowait(None)
         for t in self._threads:
