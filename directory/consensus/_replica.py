@@ -37,7 +37,7 @@ from kvdir.directory.consensus.fixes import (
     plan_append,
     rejection_hint,
 )
-from kvdir.directory.consensus.pysyncobj_log import DUMP_FILE
+from kvdir.directory.consensus.pysyncobj_log import DUMP_FILE, STAGED_DUMP_SUFFIX
 from kvdir.directory.consensus.sync import REAL, Durability, Syncer
 from kvdir.directory.consensus.transport import FencedTransport, with_framing
 from kvdir.directory.consensus.tuning import RaftTuning
@@ -128,6 +128,7 @@ class Replica(DurableSyncObj):
     """One directory replica: the table, replicated by pysyncobj, logged by kvdir's journal."""
 
     _SyncObj__recvTransmission: Any  # pysyncobj's buffer of a big entry's chunks
+    _SyncObj__raftCommitIndex: int
 
     def __init__(
         self,
@@ -167,7 +168,8 @@ class Replica(DurableSyncObj):
         self._next_keepalive = 0.0
         self._reject_floor: int | None = None
         self._proven_end: int | None = None
-        """While an append is handled: the last index it proves (`AppendPlan.proven_end`)."""
+        """While a message is handled, the last index a success answer may claim: what
+        an append proves (`AppendPlan.proven_end`), or an installed snapshot's index."""
         transport = with_framing(hooks.transport_class)
         super().__init__(self_address, peer_addresses, conf, transportClass=transport)
         self._SyncObj__raftElectionDeadline = raft_clock() + tuning.startup_grace_s
@@ -236,9 +238,20 @@ class Replica(DurableSyncObj):
         The last chunk of an entry sent in chunks becomes an ordinary append
         here (`finished_transmission`), so it meets the same rule.
         """
+        try:
+            self._on_message(node, message)
+        finally:
+            self._proven_end = None
+
+    def _on_message(self, node: Any, message: Any) -> None:
         if isinstance(message, dict) and message.get("type") == _KEEPALIVE["type"]:
             return
         if isinstance(message, dict) and message.get("type") == "append_entries":
+            # A middle chunk whose first one never came (lost, or we restarted) would
+            # fail in pysyncobj; the leader sends the entry again from its start.
+            started = isinstance(self._SyncObj__recvTransmission, bytes)
+            if message.get("transmission") == "process" and not started:
+                return
             if message.get("transmission") == "finish":
                 message = finished_transmission(self._SyncObj__recvTransmission, message)
                 if message is None:
@@ -248,6 +261,12 @@ class Replica(DurableSyncObj):
             if "prevLogIdx" in message and "transmission" not in message:
                 self._append(node, message)
                 return
+            if message.get("serialized") is not None:
+                # A snapshot chunk proves nothing about our log (its last one loads
+                # the snapshot, which commits up to its index): pysyncobj would raise
+                # our commit index over whatever our log holds, unproven entries too.
+                held = min(int(message.get("commit_index", 0)), int(self.raftCommitIndex))
+                message = dict(message, commit_index=held)
         super()._SyncObj__onMessageReceived(node, message)
 
     def _append(self, node: Any, message: dict[str, Any]) -> None:
@@ -264,10 +283,7 @@ class Replica(DurableSyncObj):
             )
             return
         self._proven_end = plan.proven_end
-        try:
-            super()._SyncObj__onMessageReceived(node, plan.message)
-        finally:
-            self._proven_end = None
+        super()._SyncObj__onMessageReceived(node, plan.message)
 
     def _SyncObj__sendNextNodeIdx(  # noqa: N802 (pysyncobj's name)
         self,
@@ -389,19 +405,21 @@ class Replica(DurableSyncObj):
     ) -> None:
         try:
             image = frozen.image()
-            snapshot.write(image, self.dump_path, raft, entries, self.hooks.syncer)
+            staged = self.dump_path + STAGED_DUMP_SUFFIX
+            snapshot.write(image, staged, raft, entries, self.hooks.syncer)
             snapshot.drop(image)  # freed a chunk at a time, never in one GIL hold
-            state = SERIALIZER_STATE.SUCCESS
-            self.last_compaction_s = time.perf_counter() - t0
-            self.compactions += 1
-            log.info(
-                "compaction done",
-                extra={
-                    "entries": image.meta["entries"],
-                    "capture_s": round(capture_s, 4),
-                    "total_s": round(self.last_compaction_s, 4),
-                },
-            )
+            state = SERIALIZER_STATE.SUCCESS  # also when not published: the log is past it
+            if self.publish_dump(staged, entries[0][1]):
+                self.last_compaction_s = time.perf_counter() - t0
+                self.compactions += 1
+                log.info(
+                    "compaction done",
+                    extra={
+                        "entries": image.meta["entries"],
+                        "capture_s": round(capture_s, 4),
+                        "total_s": round(self.last_compaction_s, 4),
+                    },
+                )
         except Exception:
             log.exception("compaction failed")
             state = SERIALIZER_STATE.FAILED
@@ -421,7 +439,15 @@ class Replica(DurableSyncObj):
         with self.lock:
             self.table = table
         # pysyncobj sets raftLastApplied to the newer of the two entries right after.
-        self._installed(max(entries[0][1], entries[1][1]))
+        index = max(entries[0][1], entries[1][1])
+        self._installed(index)
+        self.dump_index = index
+        # A snapshot install's success answer claims the snapshot, not the entries
+        # kept after it: those are proven by the leader's next append.
+        self._proven_end = index
+        # Everything in a snapshot is committed; the commit index saved beside the
+        # log is flushed about once a second and may lag it.
+        self._SyncObj__raftCommitIndex = max(self._SyncObj__raftCommitIndex, index)
         labels = raft.get("labels", {})
         cluster = {TCPNode(addr, **label_kwargs(labels.get(addr))) for addr in raft["cluster"]}
         log.info("snapshot loaded", extra={"entries": table.entries})

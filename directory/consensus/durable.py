@@ -20,7 +20,11 @@ kvdir's journal stages the entry and makes it durable in batches. So:
 - term and vote are synced inside `setCurrentTerm` (votes.py), before pysyncobj
   sends anything reflecting them;
 - a snapshot received from the leader is written by pysyncobj without fsync:
-  it is synced (file and directory) before it is loaded and the log cleared.
+  it is synced (file and directory) before it is loaded and the log cut at
+  its anchor; entries after the anchor that follow it stay (Raft's rule), so
+  a restart between a compaction's dump rename and its log trim loses none;
+- a compaction's dump is renamed into place only if it is newer than the one
+  there (`publish_dump`), so it never replaces a snapshot installed meanwhile.
 
 A failed write or sync ends the process (`stop_on_journal_failure`):
 pysyncobj's tick loop would log the error and go on with a term or log it
@@ -32,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 from typing import Any
 
 from pysyncobj import SyncObj
@@ -43,7 +48,7 @@ from kvdir.directory.consensus.pysyncobj_journal import (
     open_journal,
     register,
 )
-from kvdir.directory.consensus.sync import REAL, Durability, Syncer
+from kvdir.directory.consensus.sync import REAL, Durability, Syncer, replace_durably
 
 log = logging.getLogger("kvdir.directory.journal")
 
@@ -85,6 +90,10 @@ class DurableSyncObj(SyncObj):  # type: ignore[misc]
         """Open (or migrate) the journal of `data_dir`; returns the SyncObjConf journalFile."""
         journal = open_journal(data_dir, durability, syncer)
         self._kvdir_syncer = syncer
+        self._dump_lock = threading.Lock()
+        self.dump_index = 0
+        """The last entry of the dump in place; set by the deserializer, `publish_dump`."""
+        self.dumps_discarded = 0
         journal.on_failure = stop_on_journal_failure
         journal.commit_waits_for_sync = lambda: self._SyncObj__raftState == _LEADER
         path = os.path.join(data_dir, LOG_FILE)
@@ -125,10 +134,64 @@ class DurableSyncObj(SyncObj):  # type: ignore[misc]
         SyncObj._SyncObj__sendNextNodeIdx(self, node, **reply)
 
     def _SyncObj__loadDumpFile(self, clearJournal: bool) -> None:  # noqa: N802, N803
+        """Load the dump; the log is cut at its anchor (`KvdirJournal._anchor`), not cleared.
+
+        Runs on the Raft thread: at start (`clearJournal` False) and for a
+        snapshot the leader sent (True), with `_dump_lock` held (see
+        `_SyncObj__onMessageReceived`).
+        """
         dump = self._SyncObj__conf.fullDumpFile
         if dump and os.path.isfile(dump):
-            sync_file(dump, self._kvdir_syncer)  # before the log it replaces is cleared
+            sync_file(dump, self._kvdir_syncer)  # before the log it replaces is cut
+        self._kvdir_acks.discard()  # they may cover entries the snapshot replaces
         super()._SyncObj__loadDumpFile(clearJournal)
+        if clearJournal:
+            self._reapply_membership(self.kvdir_journal.log.entries[2:])
+
+    def _reapply_membership(self, kept: list[tuple[bytes, int, int]]) -> None:
+        """Membership changes in the entries kept past an installed snapshot, again.
+
+        pysyncobj applies a membership change when the entry is appended, and
+        resets the membership to the snapshot's when it loads one; the kept
+        entries were appended before, so their changes are made once more.
+        """
+        for command, _, _ in kept:
+            request = self._SyncObj__parseChangeClusterRequest(command)
+            if request is not None:
+                self._SyncObj__doChangeCluster(request)
+
+    def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:  # noqa: N802
+        """A snapshot chunk from the leader is handled under `_dump_lock`: its last
+        chunk renames the dump into place and loads it (`publish_dump`)."""
+        if isinstance(message, dict) and message.get("serialized") is not None:
+            with self._dump_lock:
+                super()._SyncObj__onMessageReceived(node, message)
+        else:
+            super()._SyncObj__onMessageReceived(node, message)
+
+    def publish_dump(self, staged: str, index: int) -> bool:
+        """Rename a compaction's dump (durable at `staged`) into place, unless older.
+
+        A compaction captures the table on the Raft thread and writes the dump
+        on another; a snapshot from the leader may be installed meanwhile, and
+        renaming the older dump over it would pair the log, already cut at the
+        newer snapshot, with an older table: a restart would then lose every
+        entry in between. So a dump whose last entry is not past `dump_index`
+        is deleted instead. Returns whether it was published. Any thread.
+        """
+        dump = self._SyncObj__conf.fullDumpFile
+        with self._dump_lock:
+            if index <= self.dump_index:
+                os.unlink(staged)
+                self.dumps_discarded += 1
+                log.info(
+                    "compaction: a newer snapshot is in place, this dump is dropped",
+                    extra={"dump_index": index, "in_place": self.dump_index},
+                )
+                return False
+            replace_durably(staged, dump, self._kvdir_syncer)
+            self.dump_index = index
+            return True
 
 
 __all__ = ["EXIT_JOURNAL_FAILED", "DurableSyncObj", "stop_on_journal_failure", "sync_file"]

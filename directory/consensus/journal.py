@@ -9,8 +9,9 @@ Ordering contracts:
   serves every entry staged since the last).
 - Structural changes are durable before they return, in every mode:
   `truncate_from` (a Raft conflict) cuts the file and syncs before any later
-  record can land after the cut; `drop_before` and `clear` (compaction, a
-  snapshot install) write a new file and rename it into place durably.
+  record can land after the cut; `drop_before`, `reanchor` and `clear`
+  (compaction, loading a snapshot) write a new file and rename it into place
+  durably.
 - On open, a torn tail (the unsynced part of the last batch) is cut and
   synced; damage that a later record proves was durable raises
   `JournalCorrupt` with one line naming the file, the byte and the way out.
@@ -266,7 +267,26 @@ class LogFile:
     def drop_before(self, pos: int) -> None:
         """Drop entries[:pos] (they are in a durable snapshot) by rewriting the file."""
         self._usable()
-        keep = self.entries[pos:]
+        self._rewrite(self.entries[pos:])
+
+    def reanchor(self, prev: Entry, last: Entry) -> int:
+        """Start the log at a snapshot's anchors `prev`, `last`; returns the entries kept.
+
+        Raft's rule for a snapshot: when our log holds the snapshot's last
+        entry (same index, same term), the entries after it stay; otherwise
+        the whole log goes. One durable rewrite, so a crash leaves the old
+        log or the new one (never an empty one).
+        """
+        self._usable()
+        assert prev[1] + 1 == last[1], (prev[1:], last[1:])
+        pos = last[1] - self.entries[0][1] if self.entries else -1
+        at = self.entries[pos] if 0 <= pos < len(self.entries) else None
+        keep = self.entries[pos + 1 :] if at is not None and at[2] == last[2] else []
+        self._rewrite([prev, last, *keep])
+        return len(keep)
+
+    def _rewrite(self, keep: list[Entry]) -> None:
+        """`keep` becomes the whole log, durably, in place of the file."""
         os.close(self._fd)
         self._fd = -1
         self._staged, self._staged_entries, self._unsynced_entries = [], 0, 0

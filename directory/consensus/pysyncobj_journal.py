@@ -10,7 +10,9 @@ own for any other path. `KvdirJournal` translates the methods to `LogFile`
 
 What pysyncobj does not know: `add` only stages an entry. The adapter must
 call `sync()` before anything acknowledges a staged entry (the follower's
-append reply, the leader's commit count); see `directory/raft.py`.
+append reply, the leader's commit count); see `directory/raft.py`. And
+`clear` does not clear: pysyncobj calls it only to load a snapshot, and the
+adapter keeps the entries after the snapshot's anchor (`KvdirJournal._anchor`).
 
 A data dir written by pysyncobj's own journal (``journal.bin`` and its
 ``.meta``) is migrated on first open: every entry, the term, the vote and
@@ -76,6 +78,8 @@ class KvdirJournal:
         commit index it sets must not pass what its journal has made durable."""
         self._timers = 0
         self._logged_syncs = 0
+        self._anchors: list[Entry] | None = None
+        """Between clear() and its two anchors: those seen so far (see `_anchor`)."""
 
     def _io(self, step: Callable[[], Any]) -> Any:
         try:
@@ -86,10 +90,39 @@ class KvdirJournal:
 
     # -- the log
     def add(self, command: bytes, idx: int, term: int) -> None:
+        if self._anchors is not None:
+            self._anchor(bytes(command), idx, term)
+            return
         self._io(lambda: self.log.append(command, idx, term))
 
     def clear(self) -> None:
-        self._io(self.log.clear)
+        """The first step of loading a snapshot: see `_anchor`."""
+        assert self._anchors is None, "clear() twice without its two anchors"
+        self._anchors = []
+
+    def _anchor(self, command: bytes, idx: int, term: int) -> None:
+        """pysyncobj loads a snapshot as clear(), add(previous), add(last entry).
+
+        Clearing would take every entry after the snapshot with it - entries
+        this replica may have acknowledged (a restart between a compaction's
+        dump rename and its log trim, or an install from the leader while our
+        log runs past the snapshot). So clear() only starts the sequence, and
+        the second anchor applies Raft's rule in one durable rewrite
+        (`LogFile.reanchor`): the entries after a matching last entry stay.
+        """
+        assert self._anchors is not None
+        self._anchors.append((command, idx, term))
+        if len(self._anchors) < 2:
+            return
+        prev, last = self._anchors
+        self._anchors = None
+        dropped = sum(1 for e in self.log.entries if e[1] > last[1])
+        kept = int(self._io(lambda: self.log.reanchor(prev, last)))
+        if kept < dropped:
+            log.warning(
+                "journal: entries after a snapshot that does not match them were dropped",
+                extra={"snapshot_index": last[1], "dropped": dropped - kept},
+            )
 
     def deleteEntriesFrom(self, entryFrom: int) -> None:
         self._io(lambda: self.log.truncate_from(entryFrom))

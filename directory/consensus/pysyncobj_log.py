@@ -35,6 +35,8 @@ NO_OP = b"\x01"  # pysyncobj's _COMMAND_TYPE.NO_OP entry
 _REGULAR = 0  # pysyncobj's _COMMAND_TYPE.REGULAR
 JOURNAL_FILE = "journal.bin"
 DUMP_FILE = "snapshot.bin"
+STAGED_DUMP_SUFFIX = ".staged"
+"""A compaction's dump, durable, before it is renamed over DUMP_FILE (if newer)."""
 META_SUFFIX = ".meta"
 DATA_FILES = (DUMP_FILE, LOG_FILE, TERM_FILE, JOURNAL_FILE, JOURNAL_FILE + META_SUFFIX)
 

@@ -219,6 +219,31 @@ def test_clear_leaves_an_empty_journal(tmp_path: Path) -> None:
     assert LogFile(str(path)).entries == [(cmd(100), 100, 5)]
 
 
+def test_reanchor_keeps_the_entries_after_a_matching_last_entry(tmp_path: Path) -> None:
+    # A restart between a compaction's dump rename (at 6) and its log trim.
+    path = tmp_path / "log"
+    j = fill(path, [10])
+    j.append(cmd(11), 11, 1)  # staged only: kept and made durable by the rewrite
+    assert j.reanchor((b"p", 5, 1), (b"l", 6, 1)) == 5
+    assert [(e[0], e[1]) for e in j.entries[:2]] == [(b"p", 5), (b"l", 6)]
+    j.truncate_from(4)  # the offsets of the rewritten file are right
+    j.append(cmd(9), 9, 2)
+    j.close()
+    again = LogFile(str(path)).entries
+    assert [(e[1], e[2]) for e in again] == [(5, 1), (6, 1), (7, 1), (8, 1), (9, 2)]
+    assert again[2] == (cmd(7), 7, 1)
+
+
+def test_reanchor_drops_a_log_that_does_not_hold_the_last_entry(tmp_path: Path) -> None:
+    path = tmp_path / "log"
+    j = fill(path, [4], term=1)
+    assert j.reanchor((b"p", 3, 2), (b"l", 4, 2)) == 0  # our 4 is term 1: a conflict
+    assert [(e[1], e[2]) for e in j.entries] == [(3, 2), (4, 2)]
+    assert j.reanchor((b"p", 9, 2), (b"l", 10, 2)) == 0  # past our end
+    j.close()
+    assert [(e[1], e[2]) for e in LogFile(str(path)).entries] == [(9, 2), (10, 2)]
+
+
 def test_out_of_order_appends_are_a_programming_error(tmp_path: Path) -> None:
     j = fill(tmp_path / "log", [2])
     with pytest.raises(AssertionError):

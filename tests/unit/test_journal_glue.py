@@ -47,6 +47,31 @@ def test_the_journal_speaks_pysyncobj_s_interface(tmp_path: Path) -> None:
     assert again.getRaftCommitIndex() == 3
 
 
+def test_loading_a_snapshot_cuts_the_log_at_its_anchor_in_one_rewrite(tmp_path: Path) -> None:
+    # pysyncobj loads a dump as clear(), add(previous), add(last): the entries after
+    # a matching last entry survive, and nothing is written until the second anchor.
+    j = glue.open_journal(str(tmp_path))
+    for i in range(1, 9):
+        j.add(f"c{i}".encode(), i, 1)
+    j.sync()
+    j.clear()
+    assert len(j) == 8  # not cleared (a crash here keeps the whole log)
+    j.add(b"\x01", 4, 1)
+    assert len(j) == 8
+    j.add(b"\x01", 5, 1)
+    assert [j[i][1] for i in range(len(j))] == [4, 5, 6, 7, 8]
+    j._destroy()
+    again = glue.open_journal(str(tmp_path))
+    assert [again[i] for i in range(len(again))] == [
+        (b"\x01", 4, 1),
+        (b"\x01", 5, 1),
+        (b"c6", 6, 1),
+        (b"c7", 7, 1),
+        (b"c8", 8, 1),
+    ]
+    again._destroy()
+
+
 def test_a_pysyncobj_journal_is_migrated_then_set_aside(tmp_path: Path) -> None:
     old = createJournal(str(tmp_path / glue.LEGACY_LOG_FILE))
     for i in range(1, 6):
