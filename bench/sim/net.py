@@ -6,7 +6,9 @@ pysyncobj's TCP connection does (so a receiver never shares an object with
 the sender), and handed to the `Network`, which decides its fate from a
 random stream of its own link (seed, sender, receiver): lost, delayed,
 duplicated (Raft's messages, not forwarded client commands: `NOT_DUPLICATED`),
-or let overtake earlier messages of its link. Without those
+or let overtake earlier messages of its link. Pieces of a stream (a large entry
+in chunks, a snapshot) keep TCP's promises, as pysyncobj relies on them: in
+order, once, and a lost piece breaks the connection (`_streamed`). Without those
 faults a link behaves like TCP: in order, each message once, and a broken
 connection loses whatever it still carried (messages carry the link's
 connection epoch).
@@ -61,6 +63,18 @@ NOT_DUPLICATED = frozenset({"apply_command", "apply_command_response"})
 leader as one `apply_command`, and the leader appends whatever arrives (no request
 id is checked), so a duplicate is a second write. TCP, the only transport
 pysyncobj runs on here, never duplicates; Raft's own messages are duplicated."""
+
+
+def _streamed(message: Any) -> bool:
+    """A piece of a stream pysyncobj sends over one TCP connection and reassembles in order:
+    a large entry in chunks (`transmission`) or a snapshot (`serialized`). Such a piece is
+    never duplicated or reordered, and losing one breaks the connection (as TCP would
+    surface it), which makes both ends start the stream over."""
+    return (
+        isinstance(message, dict)
+        and message.get("type") == "append_entries"
+        and ("transmission" in message or "serialized" in message)
+    )
 
 
 def _may_duplicate(message: Any) -> bool:
@@ -126,6 +140,8 @@ class Network:
         self.clock = clock
         self.transports: dict[str, SimTransport] = {}
         self.cut: set[frozenset[str]] = set()
+        self.broken: set[frozenset[str]] = set()
+        """Connections broken since the last refresh (down for one refresh, then redialled)."""
         self.dirty = True
         self._epoch: dict[frozenset[str], int] = {}
         self._rng: dict[Link, random.Random] = {}
@@ -174,16 +190,17 @@ class Network:
         """Tell each replica which links went up or down since the last refresh."""
         if not self.dirty:
             return
-        self.dirty = False
+        self.dirty = bool(self.broken)  # a broken connection comes back at the next refresh
         for a in sorted(self.transports):
             t = self.transports[a]
             for b in sorted(set(t.nodes) | t.connected):
-                up = self._up(a, b)
+                up = self._up(a, b) and frozenset((a, b)) not in self.broken
                 if up != (b in t.connected):
                     if not up:
                         pair = frozenset((a, b))
                         self._epoch[pair] = self._epoch.get(pair, 0) + 1
                     t.set_connected(b, up)
+        self.broken = set()
 
     # ------------------------------------------------------------ messages
 
@@ -200,17 +217,21 @@ class Network:
         self.sent += 1
         f = self.faults
         rng = self._link_rng((src, dst))
-        if rng.random() < f.loss:
+        lost, duplicate = rng.random() < f.loss, rng.random() < f.duplicate
+        streamed = _streamed(message)
+        if lost:
             self.lost += 1
+            if streamed:  # a stream cannot lose a piece and go on: the connection breaks
+                self.broken.add(frozenset((src, dst)))
+                self.dirty = True
             return True
         data = pickle.dumps(message)
-        duplicate = rng.random() < f.duplicate
-        copies = 2 if duplicate and _may_duplicate(message) else 1
+        copies = 2 if duplicate and not streamed and _may_duplicate(message) else 1
         now = self.clock.now
         epoch = self._epoch.get(frozenset((src, dst)), 0)
         for _ in range(copies):
             at = now + rng.uniform(f.delay_min_s, f.delay_max_s)
-            if rng.random() >= f.reorder:
+            if rng.random() >= f.reorder or streamed:
                 at = max(at, self._fifo.get((src, dst), 0.0))
                 self._fifo[(src, dst)] = at
             seq = self._seq.get((src, dst), 0)

@@ -401,8 +401,25 @@ class Simulation:
             if self._converged():
                 break
         else:
-            self._violation("stuck", f"no convergence within {HEAL_STEPS_MAX} steps")
+            self._violation(
+                "stuck", f"no convergence within {HEAL_STEPS_MAX} steps: {self._positions()}"
+            )
         self._final_checks()
+
+    def _positions(self) -> str:
+        """Each replica's (role, term, commit, applied, last index), for a stuck run."""
+        out = []
+        for addr, seat in sorted(self.seats.items()):
+            r = seat.replica
+            if r is None:
+                out.append(f"{addr} down")
+                continue
+            out.append(
+                f"{addr} role {r.role()} term {int(r.raftCurrentTerm)} commit "
+                f"{int(r.raftCommitIndex)} applied {int(r.raftLastApplied)} last "
+                f"{r.last_log_index()}"
+            )
+        return "; ".join(out) + f"; clients waiting {len(self.work.busy)}"
 
     def _converged(self) -> bool:
         leader = self._leader()
