@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import pytest
 
@@ -26,9 +26,16 @@ def needs(available: bool, why: str) -> Callable[[F], F]:
 
             @functools.wraps(test)
             def failing(*args: Any, **kwargs: Any) -> None:
-                pytest.fail(f"{why} (CI installs it: see .ci/run)")
+                pytest.fail(f"{why} (CI installs it: scripts/install-test-deps.sh)")
 
             return failing  # type: ignore[return-value]
         return pytest.mark.skip(reason=why)(test)  # type: ignore[no-any-return]
 
     return deco
+
+
+def unavailable(why: str) -> NoReturn:
+    """Inside a test or fixture: skip for `why` locally, fail under CI (as `needs`)."""
+    if os.environ.get("CI"):
+        pytest.fail(f"{why} (CI installs it: scripts/install-test-deps.sh)")
+    pytest.skip(why)

@@ -47,7 +47,7 @@ from kvdir.local import ClusterError, wait_for
 from tests.deploy.test_k8s import K8S_VERSION
 from tests.image import cluster, image, kube
 from tests.image import podman as pm
-from tests.tools import needs
+from tests.tools import needs, unavailable
 
 pytestmark = [pytest.mark.image, pytest.mark.integration]
 
@@ -75,7 +75,7 @@ def podman() -> Iterator[pm.Podman]:
     try:
         why = pm.unusable_reason(store)
         if why:
-            pytest.skip(why)
+            unavailable(why)
         yield store
     finally:
         store.reset()
