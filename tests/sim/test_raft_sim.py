@@ -44,20 +44,9 @@ SAFETY = {
 leads there, or liveness)."""
 
 
-OPEN_HOLES = {
-    "cut_matching": "issue 29 hole 1: pysyncobj's follower cuts matching entries",
-    "tick_error": "issue 29 hole 3: mislabelled chunks of a large append abort ticks",
-}
-"""Violations of holes not closed yet: a seed showing only these is an expected failure.
-Delete an entry with the fix that closes it; its seeds must then pass."""
-
-
 @pytest.mark.parametrize("seed", range(1, SEEDS + 1), ids=lambda s: f"seed_{s}")
 def test_seed(seed: int) -> None:
     res = run_seed(seed, STEPS)
-    kinds = {v.kind for v in res.violations}
-    if kinds and kinds <= set(OPEN_HOLES):
-        pytest.xfail("; ".join(OPEN_HOLES[k] for k in sorted(kinds)) + f" ({res.summary()})")
     assert res.ok, res.summary()
     assert res.stats["ops"] > 0 or res.stats["terms"] == 0, res.summary()
 
