@@ -10,7 +10,7 @@ the switch to protected mode. So the probe boots the guest's own kernel, with no
 initrd, under each KVM candidate, and takes the first that gets as far as the
 kernel's panic for want of a root file system (a whole kernel init) within
 `PROBE_TIMEOUT_S`; TCG is the fallback. The answer is kept per host boot and
-kernel (a file under the VM cache), so the probe's cost is paid once.
+kernel (accel.json in the VM cache), so the probe's cost is paid once.
 
 `KVDIR_VM_ACCEL=tcg` forces emulation; `KVDIR_VM_ACCEL=kvm` fails loudly when no
 KVM candidate runs (`python -m tests.rdma.accel KERNEL` prints the choice).
@@ -96,8 +96,10 @@ def qemu_args(kernel: Path) -> tuple[str, ...]:
     forced = os.environ.get("KVDIR_VM_ACCEL", "")
     if forced == "tcg":
         return TCG
-    memo = kernel.parent / "accel.json"
-    key = f"{_boot_id()} {kernel.stat().st_mtime_ns}"
+    # Beside the image folders: the three VM tiers' images hold one Debian kernel.
+    memo = kernel.parent.parent / "accel.json"
+    st = kernel.stat()
+    key = f"{_boot_id()} {st.st_size} {st.st_mtime_ns}"
     try:
         seen = json.loads(memo.read_text())
         found = tuple(seen["args"]) if seen.get("key") == key and _boot_id() else ()
