@@ -25,14 +25,16 @@ mkdir -p "$out"
 vm_marks="rdma or vm or powercut or image"
 common=(-q -p no:cacheprovider --ignore=tests/unit --ignore=tests/sim "$@")
 
-# Both runs are background jobs so that a stop of this script reaches both: a non-interactive
-# shell's background jobs ignore SIGINT, so the trap passes a ^C on as SIGTERM, which the
-# suite handles as SIGINT (tests/conftest.py): fixtures stop what they started.
+# Both runs are background jobs, so a stop of this script reaches both: a terminal's ^C
+# reaches them directly (a background job starts with SIGINT ignored, which
+# tests/conftest.py undoes), and a SIGTERM to this script is passed on, which the suite
+# handles as SIGINT: fixtures stop what they started.
 start=$SECONDS
 nice -n 5 "$pytest_bin" "${common[@]}" -m "$vm_marks" --basetemp="$out/vm-tmp" \
   --junitxml="$out/vm.xml" >"$out/vm.log" 2>&1 &
 vm_pid=$!
-trap 'kill -TERM "$vm_pid" 2>/dev/null; wait; exit 143' INT TERM
+trap 'wait; exit 130' INT
+trap 'kill -TERM "$vm_pid" 2>/dev/null; wait; exit 143' TERM
 # The engines' venvs, while the VM tiers run (they need none of them); cached after once.
 if ((install)); then
   scripts/install-test-deps.sh --venvs || {
@@ -44,7 +46,7 @@ fi
 "$pytest_bin" "${common[@]}" -m "not ($vm_marks)" --basetemp="$out/rest-tmp" \
   --junitxml="$out/rest.xml" &
 rest_pid=$!
-trap 'kill -TERM "$vm_pid" "$rest_pid" 2>/dev/null; wait; exit 143' INT TERM
+trap 'kill -TERM "$vm_pid" "$rest_pid" 2>/dev/null; wait; exit 143' TERM
 
 wait "$rest_pid"
 rest_rc=$?

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import signal
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,8 +18,15 @@ _UNIT_TIERS = ("tests/unit", "tests/sim")
 
 def pytest_configure(config: pytest.Config) -> None:
     """A SIGTERMed run stops as a ^C'd one does: pytest tears every fixture down, so
-    the replicas, agents, engines, VMs and containers they started are stopped."""
+    the replicas, agents, engines, VMs and containers they started are stopped.
+
+    A run started in the background by a script (scripts/run-tests.sh) begins with
+    SIGINT ignored, and every process it starts would inherit that (a test stopping
+    one with SIGINT would wait forever): ^C is given back its usual meaning here.
+    """
     harness.interrupt_on_sigterm()
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
