@@ -431,7 +431,9 @@ def run(args: argparse.Namespace) -> int:
         os.makedirs(args.work_dir, exist_ok=True)
         base_ctx: Any = contextlib.nullcontext(args.work_dir)
     else:
-        base_ctx = tempfile.TemporaryDirectory(prefix="kvdir-bench-gpu-")
+        # Pools in memory: a file-backed mapping cannot be page-locked for the GPU.
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        base_ctx = tempfile.TemporaryDirectory(prefix="kvdir-bench-gpu-", dir=shm)
     with base_ctx as tmp, gpu_nodes(tmp, shape, max_len, args.pool_slots, args.memory_share) as n:
         b = Bench(n)
         b.gen("n", prompt(1, 256, shape.vocab))  # warm every engine once
