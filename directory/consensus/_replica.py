@@ -261,9 +261,10 @@ class Replica(DurableSyncObj):
             if "prevLogIdx" in message and "transmission" not in message:
                 self._append(node, message)
                 return
-            if message.get("serialized") is not None:
-                # A snapshot chunk proves nothing about our log (its last one loads
-                # the snapshot, which commits up to its index): pysyncobj would raise
+            if "prevLogIdx" not in message:
+                # A snapshot chunk (or its placeholder, None while the leader's dump is
+                # being written) proves nothing about our log; its last one loads the
+                # snapshot, which commits up to its own index. pysyncobj would raise
                 # our commit index over whatever our log holds, unproven entries too.
                 held = min(int(message.get("commit_index", 0)), int(self.raftCommitIndex))
                 message = dict(message, commit_index=held)

@@ -181,6 +181,9 @@ class ChunkFraming:
         self._entry_at = entry_at
         self._left: dict[Any, int] = {}
         """Per peer: pickled bytes of the entry being sent that are still to come."""
+        self._last: tuple[tuple[int, int, int], bytes, int] | None = None
+        """The last entry measured: (index, term, command bytes), its first chunk and
+        its pickled size (every peer gets the same entry; pickle it once)."""
 
     def frame(self, node: Any, message: Any) -> Any:
         kind = message.get("transmission") if isinstance(message, dict) else None
@@ -189,10 +192,9 @@ class ChunkFraming:
         data = message.get("data")
         if kind == "start":
             self._left.pop(node, None)
-            entry = self._entry_at(int(message.get("prevLogIdx", -1)) + 1)
-            whole = raft_pickle.dumps(entry) if entry is not None else b""
-            if isinstance(data, bytes) and whole.startswith(data):
-                self._left[node] = len(whole) - len(data)
+            size = self._pickled_size(int(message.get("prevLogIdx", -1)) + 1, data)
+            if size is not None:
+                self._left[node] = size - len(data)
             return message
         left = self._left.get(node)
         if left is None or not isinstance(data, bytes):
@@ -205,3 +207,16 @@ class ChunkFraming:
             del self._left[node]
             label = "finish"
         return message if label == kind else dict(message, transmission=label)
+
+    def _pickled_size(self, index: int, first: Any) -> int | None:
+        """The pickled size of our entry at `index` if `first` is its first chunk."""
+        entry = self._entry_at(index)
+        if entry is None or not isinstance(first, bytes):
+            return None
+        key = (entry[1], entry[2], len(entry[0]))
+        if self._last is None or self._last[0] != key or self._last[1] != first:
+            whole = raft_pickle.dumps(entry)
+            if not whole.startswith(first):
+                return None
+            self._last = (key, first, len(whole))
+        return self._last[2]
