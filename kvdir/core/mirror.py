@@ -156,6 +156,9 @@ class Mirror:
                     f"replica {ev.replica_id!r} serves cluster {ev.cluster_id!r}, "
                     f"the mirror's table is of {self.cluster_id!r}"
                 )
+        # The event's commit index covers everything it carries: heard before anything
+        # is applied, so no reader sees an applied index past the commit index it knows.
+        self._heard_commit(ev.commit_index, now)
         if kind == "snapshot":
             self._on_snapshot(ev.snapshot, ev.cluster_id)
         elif kind == "entries":
@@ -164,7 +167,6 @@ class Mirror:
             with self.lock:
                 self.applied_index = max(self.applied_index, ev.applied_index)
         self.source = ev.replica_id
-        self._heard_commit(ev.commit_index, now)
 
     def _forget(self, cluster_id: str, replica_id: str) -> None:
         """Another cluster's stream: drop this table and every index heard from the old log."""
