@@ -110,7 +110,7 @@ def fuzz_grpc(h: Harness, tally: Tally, cases: int, seed: int | None, only: str 
                     request_payloads(cls, others, pinned),
                     cases,
                     seed,
-                    _grpc_case(tally, name, channels[where], path),
+                    _grpc_case(tally, name, channels[where], path, method.server_streaming),
                 )
                 h.check_intact(name)
     finally:
@@ -120,14 +120,15 @@ def fuzz_grpc(h: Harness, tally: Tally, cases: int, seed: int | None, only: str 
 
 
 def _grpc_case(
-    tally: Tally, name: str, chans: list[grpc.Channel], path: str
+    tally: Tally, name: str, chans: list[grpc.Channel], path: str, streaming: bool
 ) -> Callable[[tuple[str, bytes]], None]:
     sent = [0]
+    call = targets.grpc_stream_raw if streaming else targets.grpc_raw
 
     def one(case: tuple[str, bytes]) -> None:
         _family, payload = case
         sent[0] += 1  # spread cases over the replicas
-        tally.record(name, targets.grpc_raw(chans[sent[0] % len(chans)], path, payload), payload)
+        tally.record(name, call(chans[sent[0] % len(chans)], path, payload), payload)
 
     return one
 

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -74,12 +75,37 @@ def grpc_raw(channel: grpc.Channel, method: str, payload: bytes) -> str:
     try:
         call(payload, timeout=GRPC_TIMEOUT_S)
     except grpc.RpcError as e:
-        code = e.code()
-        name = code.name if code is not None else "UNKNOWN"
-        if name in REFUSED_CODES and not (e.details() or "").strip():
-            return f"{name}-without-message"
-        return str(name)
+        return _status_name(e)
     return "OK"
+
+
+def grpc_stream_raw(channel: grpc.Channel, method: str, payload: bytes) -> str:
+    """Call server-streaming `method` with `payload`: the status name once its first
+    message or its status came ("OK" for a message), then the stream is cancelled.
+
+    An accepted Watch streams until its deadline: called as unary, each accepted
+    case cost the whole GRPC_TIMEOUT_S (110 of the tier's 125 s). A refusal still
+    comes as the status, before any message; the cancel exercises the server's
+    clean-up of a stream its caller left."""
+    # Any: grpc-stubs' CallIterator declares neither __next__ nor a typed cancel().
+    stream: Any = channel.unary_stream(method, None, None)(payload, timeout=GRPC_TIMEOUT_S)
+    try:
+        next(stream)
+    except StopIteration:
+        return "OK"
+    except grpc.RpcError as e:
+        return _status_name(e)
+    finally:
+        stream.cancel()
+    return "OK"
+
+
+def _status_name(e: grpc.RpcError) -> str:
+    code = e.code()
+    name = code.name if code is not None else "UNKNOWN"
+    if name in REFUSED_CODES and not (e.details() or "").strip():
+        return f"{name}-without-message"
+    return str(name)
 
 
 # ------------------------------------------------------------------ tcp
