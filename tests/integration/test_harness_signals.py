@@ -25,8 +25,9 @@ pytestmark = pytest.mark.integration
 
 START_BOUND_S = 120.0
 """For the demo to have started the processes a case waits for (a busy 2-core host)."""
-STOP_BOUND_S = 30.0
-"""From the SIGTERM to the demo's exit, and again to the last of its processes gone."""
+STOP_BOUND_S = 60.0
+"""From the SIGTERM to the demo's exit, and again to the last of its processes gone
+(5-7 s measured at load 5 on 2 cores; before kvdir/harness.py they never went)."""
 POLL_S = 0.05
 """How often /proc is read while waiting (reading it costs milliseconds)."""
 INTERRUPTED_RC = 130
