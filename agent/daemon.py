@@ -6,12 +6,20 @@ the directory under a fresh incarnation and publish what the pools already
 hold, then serve peers (TCP) and the local engine (Unix socket). With
 `directory_mirror` on, the mirror's Watch stream starts before the servers
 (lookups take the RPC path until its first snapshot) and stops after them.
+
+Pool epochs (agent/pool.py): a host pool of an unchanged shape is re-attached
+in its epoch (an engine's mapping stays valid); any other shape, and every GPU
+tier pool (its device slots are new memory), starts a new epoch in a new file.
+Once serving, a reaper thread frees the reserved slots of engines that are gone,
+every OWNER_CHECK_INTERVAL_S (slots reserved before a restart included: the
+owner is in each slot's header).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from concurrent import futures
 from typing import Any
 
@@ -47,6 +55,8 @@ log = logging.getLogger("kvdir.agent")
 GRPC_WORKERS = 16
 ENGINE_SOCKET_MODE = 0o660
 """The engine socket allocates and frees slots: its owner and group only."""
+OWNER_CHECK_INTERVAL_S = 1.0
+"""How often the reaper looks for reserved slots of engines that are gone."""
 
 
 class AgentStartError(RuntimeError):
@@ -73,12 +83,20 @@ class AgentDaemon:
         """EngineIngest of each [[engines]] entry (imported only then: pyzmq, cbor2)."""
         self._servers: list[grpc.Server] = []
         self._metrics_server: Any = None
+        self._stop_reaper = threading.Event()
+        self._reaper: threading.Thread | None = None
 
     def _open_pools(self) -> list[tuple[pb.Namespace, KvPool, int]]:
         out: list[tuple[pb.Namespace, KvPool, int]] = []
         for i, pc in enumerate(self.cfg.pools):
             ns = pc.namespace()
-            pool = KvPool.open(self.cfg.pool_path(i), namespace_key(ns), pc.slot_bytes, pc.slots)
+            pool = KvPool.open(
+                self.cfg.pool_path(i),
+                namespace_key(ns),
+                pc.slot_bytes,
+                pc.slots,
+                fresh=pc.tier == "gpu",  # new device slots: nothing of an old epoch is valid
+            )
             out.append((ns, pool, pb.TIER_GPU if pc.tier == "gpu" else pb.TIER_HOST))
         return out
 
@@ -177,6 +195,7 @@ class AgentDaemon:
         )
         self.core = AgentCore(cfg.node_id, self.pools, self.engine, p, self.fetcher, self.metrics)
         self._serve()
+        self._start_reaper()
         self._start_engines(node, limits)
         log.info(
             "agent started",
@@ -188,6 +207,22 @@ class AgentDaemon:
                 "transports": self.engine.names,
             },
         )
+
+    def _start_reaper(self) -> None:
+        core = self.core
+        assert core is not None
+
+        def loop() -> None:
+            while True:
+                try:
+                    core.reclaim_dead()
+                except Exception:  # the reaper must outlive a bug; slots wait for the next pass
+                    log.exception("reclaiming dead engines' slots failed")
+                if self._stop_reaper.wait(OWNER_CHECK_INTERVAL_S):
+                    return
+
+        self._reaper = threading.Thread(target=loop, name="kvdir-reaper", daemon=True)
+        self._reaper.start()
 
     def _directory_reads(self) -> DirectoryReads:
         """The mirror in front of the client (its stream started), or the client alone."""
@@ -285,6 +320,9 @@ class AgentDaemon:
             ingest.stop(deregister=deregister)
         for s in self._servers:
             s.stop(1.0).wait(2.0)
+        self._stop_reaper.set()
+        if self._reaper is not None:
+            self._reaper.join(2.0)
         if self.mirror is not None:
             self.mirror.stop()
         if self.publisher is not None:

@@ -10,10 +10,21 @@ truth the agent re-publishes from) and append to a bounded in-process queue;
 a background thread ships the queue to the agent in batches. When the queue
 is full a notification is dropped and counted; the agent's periodic resync
 from the headers repairs it.
+
+Epochs (agent/pool.py). Each mapping is of one pool epoch; every request that
+names slots carries it and every answer's epoch is checked. An agent that
+replaced the pool file (restarted with another shape, or a GPU tier) refuses
+the old epoch, and the call raises PoolChanged: the caller's slots and this
+client's mapping of that pool mean nothing any more; close the client and
+attach again. The old mapping stays valid memory (the file was replaced, not
+truncated), so a late copy through it reads stale bytes, never faults.
+Slots this process allocates are recorded as its own (by pid) and reclaimed
+by the agent once the process is gone.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -21,7 +32,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvdir.agent.pool import STORED, Geometry, KvPool
+from kvdir.agent.pool import STALE_EPOCH, STORED, Geometry, KvPool, fits, read_superblock
 from kvdir.core.wire import namespace_key
 from kvdir.transfer.memory import SharedMemory
 from kvdir.v1 import agent_pb2 as apb
@@ -35,6 +46,10 @@ SHIP_INTERVAL_S = 0.002
 
 class EngineError(Exception):
     """The agent refused a request (the message says why) or is unreachable."""
+
+
+class PoolChanged(EngineError):
+    """The agent serves another epoch of this pool than the one mapped here."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,12 +67,24 @@ def _key(ns: pb.Namespace) -> str:
 
 
 class _AttachedPool:
-    """The engine's read-write view of one agent pool."""
+    """The engine's read-write view of one agent pool (one epoch of it)."""
 
     def __init__(self, info: apb.PoolInfo) -> None:
         self.info = info
+        self.epoch = info.epoch
+        geo = Geometry.of(info.slot_bytes, info.slots)
         mem = SharedMemory.open_readwrite(info.path, owner=False)
-        self.pool = KvPool(mem, Geometry.of(info.slot_bytes, info.slots), "")
+        # The file may have been replaced since the agent answered: map it only
+        # if it is the epoch and shape described (a smaller file faults on use).
+        sb = read_superblock(mem.mm)
+        if sb is None or sb.retired or sb.epoch != info.epoch or not fits(sb, geo, mem.size):
+            mem.close(unlink=False)
+            raise PoolChanged(f"the pool file {info.path} changed while attaching")
+        self.pool = KvPool(mem, geo, "")
+
+    def current(self) -> bool:
+        """The agent still serves this mapping's file (not replaced since attach)."""
+        return not self.pool.retired and self.pool.epoch == self.epoch
 
 
 class EngineClient:
@@ -65,15 +92,23 @@ class EngineClient:
         self._channel = grpc.insecure_channel(f"unix:{socket_path}")
         self._stub = apb_grpc.EngineStub(self._channel)
         self.timeout_s = timeout_s
+        self.pid = os.getpid()
         try:
-            resp = self._stub.Attach(apb.AttachRequest(), timeout=timeout_s)
+            resp = self._stub.Attach(apb.AttachRequest(pid=self.pid), timeout=timeout_s)
         except grpc.RpcError as e:
             self._channel.close()
             raise EngineError(
                 f"cannot attach to the agent at {socket_path}: {e.code().name}"
             ) from e
         self.node_id = resp.node_id
-        self.pools = {_key(p.namespace): _AttachedPool(p) for p in resp.pools}
+        self.pools: dict[str, _AttachedPool] = {}
+        try:
+            for p in resp.pools:
+                self.pools[_key(p.namespace)] = _AttachedPool(p)
+        except (PoolChanged, OSError, ValueError) as e:
+            self._unmap()
+            self._channel.close()
+            raise PoolChanged(f"cannot map the agent's pools: {e}") from e
         self.device_transports = {t.name: dict(t.params) for t in resp.transports}
         """The agent's cuda descriptor, when it has GPU pools (agent/gpu_kv.py maps them)."""
         self._queue: deque[_Item] = deque()
@@ -99,7 +134,24 @@ class EngineClient:
         try:
             return getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as e:
-            raise EngineError(f"{method}: {e.details() or e.code().name}") from e
+            details = e.details() or e.code().name
+            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(STALE_EPOCH):
+                raise PoolChanged(f"{method}: {details}") from e
+            raise EngineError(f"{method}: {details}") from e
+
+    @staticmethod
+    def _check_epoch(method: str, pool: _AttachedPool, epoch: int) -> None:
+        """An answer about another epoch than the mapped one is not ours to use."""
+        if epoch != pool.epoch:
+            raise PoolChanged(
+                f"{method}: the agent answered for pool epoch {epoch:#x}, "
+                f"this engine maps {pool.epoch:#x}"
+            )
+
+    def current(self, ns: pb.Namespace) -> bool:
+        """This namespace's mapping is still the agent's pool file (re-check after a failure)."""
+        p = self.pools.get(_key(ns))
+        return p is not None and p.current()
 
     def slot_view(self, ns: pb.Namespace, slot: int) -> memoryview:
         """Read-write bytes of one slot (write KV here before `stored`)."""
@@ -112,14 +164,19 @@ class EngineClient:
     def allocate(self, ns: pb.Namespace, count: int, evict: bool = False) -> Allocation:
         """`count` slots (all or nothing); with `evict`, least recently used stored
         blocks make up for missing free slots and fewer may come back."""
-        req = apb.AllocateRequest(namespace=ns, count=count, evict=evict)
+        pool = self._pool(ns)
+        req = apb.AllocateRequest(
+            namespace=ns, count=count, evict=evict, epoch=pool.epoch, pid=self.pid
+        )
         resp = self._call("Allocate", req)
         assert isinstance(resp, apb.AllocateResponse)
+        self._check_epoch("Allocate", pool, resp.epoch)
         return Allocation(list(resp.slots), list(resp.generations))
 
     def free(self, ns: pb.Namespace, slots: Sequence[int]) -> int:
         self.flush()  # notifications about these slots go first
-        resp = self._call("Free", apb.FreeRequest(namespace=ns, slots=slots))
+        req = apb.FreeRequest(namespace=ns, slots=slots, epoch=self._pool(ns).epoch)
+        resp = self._call("Free", req)
         assert isinstance(resp, apb.FreeResponse)
         return resp.freed
 
@@ -205,7 +262,10 @@ class EngineClient:
                 key, store, hashes, slots, gens = item
                 req = by_ns.get(key)
                 if req is None:
-                    req = by_ns[key] = apb.NotifyRequest(namespace=self.pools[key].info.namespace)
+                    attached = self.pools[key]
+                    req = by_ns[key] = apb.NotifyRequest(
+                        namespace=attached.info.namespace, epoch=attached.epoch
+                    )
                 if store:
                     for i in self._mark_stored(self.pools[key].pool, item):
                         req.stored_hashes.append(hashes[i])
@@ -221,7 +281,8 @@ class EngineClient:
                 try:
                     self._stub.Notify(req, timeout=self.timeout_s)
                 except grpc.RpcError:
-                    # The agent is away; its resync from the headers will catch up.
+                    # The agent is away (its resync from the headers will catch up),
+                    # or serves another epoch (these slots are gone with the old file).
                     self.dropped += len(req.stored_hashes) + len(req.removed_hashes)
         if self._queue:
             self._wake.set()
@@ -240,9 +301,11 @@ class EngineClient:
     def lookup(
         self, ns: pb.Namespace, chain: Sequence[bytes], timeout_s: float | None = None
     ) -> apb.EngineLookupResponse:
-        req = apb.EngineLookupRequest(namespace=ns, block_hashes=chain)
+        pool = self._pool(ns)
+        req = apb.EngineLookupRequest(namespace=ns, block_hashes=chain, epoch=pool.epoch)
         resp = self._call("Lookup", req, timeout_s)
         assert isinstance(resp, apb.EngineLookupResponse)
+        self._check_epoch("Lookup", pool, resp.epoch)
         return resp
 
     def fetch(
@@ -255,23 +318,29 @@ class EngineClient:
     ) -> apb.FetchResponse:
         """Pull chain[skip_blocks:] from a peer into `slots`; `valid_blocks` leading
         blocks (counted from skip_blocks) are valid."""
+        pool = self._pool(ns)
         req = apb.FetchRequest(
             namespace=ns,
             block_hashes=chain,
             slots=slots,
             timeout_ms=timeout_ms,
             skip_blocks=skip_blocks,
+            epoch=pool.epoch,
         )
         # The agent's own deadline comes first; ours only covers the local hop.
         resp = self._call("Fetch", req, (timeout_ms / 1000 + 1.0) if timeout_ms else None)
         assert isinstance(resp, apb.FetchResponse)
+        self._check_epoch("Fetch", pool, resp.epoch)
         return resp
+
+    def _unmap(self) -> None:
+        for p in self.pools.values():
+            p.pool.close(unlink=False)
 
     def close(self) -> None:
         self.flush()
         self._stop.set()
         self._wake.set()
         self._shipper.join(2.0)
-        for p in self.pools.values():
-            p.pool.close(unlink=False)
+        self._unmap()
         self._channel.close()

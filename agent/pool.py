@@ -2,12 +2,15 @@
 
 Layout of the pool file (all little-endian)::
 
-    page 0        superblock: magic, version, slot_bytes, slots, offsets, namespace
+    page 0        superblock: magic, version, slot_bytes, slots, offsets,
+                  namespace length; at 48 the epoch (u64), at 56 the retired
+                  flag (u32); at 64 the namespace (JSON)
     headers       `slots` x 64-byte slot headers
     data          `slots` x `slot_bytes`, page-aligned
 
 Slot header: u64 generation, u8 state (FREE / ALLOCATED / STORED), u8 hash
-length, 6 pad bytes, 32-byte block hash, 16 reserved bytes.
+length, 6 pad bytes, 32-byte block hash, then the owner of an ALLOCATED slot
+(u32 pid, 4 pad bytes, u64 start ticks: agent/owners.py).
 
 The header is the truth about a slot, and it is what makes one-sided reads
 safe. Whoever owns a slot bumps its generation *before* the slot's bytes are
@@ -20,21 +23,35 @@ reader never hands the engine another request's KV.
 The file persists across agent restarts (the engine keeps its KV mapped): a
 restarted agent re-attaches, scans the headers and re-publishes what is
 stored.
+
+Epochs. One pool file is one incarnation of the pool, named by a random
+64-bit epoch in its superblock; the agent hands it to engines in every
+answer. A file is never re-initialised in place: a pool of another shape (or
+one that must start empty) is a new file renamed over the old path, and the
+old file's superblock is marked retired first. An engine still mapping the
+old file therefore keeps valid pages (no SIGBUS, whatever the new shape) that
+nobody else writes, sees `retired` or an answer's new epoch, and attaches
+again. Slot numbers and generations mean something only within one epoch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import mmap
 import os
+import secrets
 import struct
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from kvdir.agent.owners import NO_OWNER, Owner
 from kvdir.core.wire import HASH_BYTES_MAX
 from kvdir.transfer.memory import PAGE_BYTES, SharedMemory, buffer_address
 
 MAGIC = b"KVDPOOL\x01"
+VERSION = 2
 HEADER_BYTES = 64
 
 FREE = 0
@@ -42,7 +59,17 @@ ALLOCATED = 1
 STORED = 2
 
 _SUPER = struct.Struct("<8sIQIQQI")  # magic, version, slot_bytes, slots, hdr off, data off, ns len
+_EPOCH = struct.Struct("<Q")
+_RETIRED = struct.Struct("<I")
+EPOCH_OFFSET = 48
+RETIRED_OFFSET = 56
+NAMESPACE_OFFSET = 64
+assert _SUPER.size <= EPOCH_OFFSET and RETIRED_OFFSET + _RETIRED.size <= NAMESPACE_OFFSET
 _HDR = struct.Struct("<QBB6x32s16x")
+_HDR_STATE = struct.Struct("<QBB6x32s")  # a header less its owner (writes keep the owner)
+_OWNER = struct.Struct("<I4xQ")
+OWNER_OFFSET = 48
+assert _HDR_STATE.size == OWNER_OFFSET and OWNER_OFFSET + _OWNER.size == HEADER_BYTES
 _GEN = struct.Struct("<Q")
 _GEN_STATE = struct.Struct("<QB")
 _STATE = struct.Struct("<B")
@@ -52,6 +79,11 @@ assert _HDR.size == HEADER_BYTES
 
 class PoolError(ValueError):
     pass
+
+
+STALE_EPOCH = "pool epoch changed"
+"""Leads the agent's FAILED_PRECONDITION answer to a request naming slots of another
+epoch; the engine library recognises it (one definition for both sides)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,25 +172,36 @@ class KvPool:
     # ---------------------------------------------------------------- open
 
     @classmethod
-    def open(cls, path: str, namespace_key: str, slot_bytes: int, slots: int) -> KvPool:
-        """Attach to `path` if it is a pool of this shape and namespace, else create it."""
+    def open(
+        cls, path: str, namespace_key: str, slot_bytes: int, slots: int, fresh: bool = False
+    ) -> KvPool:
+        """Attach to `path` if it is a pool of this shape and namespace (same epoch,
+        its blocks kept), else start a new epoch in a new file (`fresh`: always)."""
         geo = Geometry.of(slot_bytes, slots)
-        mem = _attach(path, geo, namespace_key)
+        ns = json.dumps(namespace_key).encode()
+        if NAMESPACE_OFFSET + len(ns) > PAGE_BYTES:
+            raise PoolError("namespace key does not fit the pool superblock")
+        mem = None if fresh else _attach(path, geo, namespace_key)
         if mem is None:
-            mem = SharedMemory.create(path, geo.size)
-            ns = json.dumps(namespace_key).encode()
-            if _SUPER.size + len(ns) > PAGE_BYTES:
-                mem.close()
-                raise PoolError("namespace key does not fit the pool superblock")
-            _SUPER.pack_into(
-                mem.mm, 0, MAGIC, 1, slot_bytes, slots, geo.header_offset, geo.data_offset, len(ns)
-            )
-            mem.mm[_SUPER.size : _SUPER.size + len(ns)] = ns
+            mem = _create(path, geo, ns)
         return cls(mem, geo, namespace_key)
 
     def close(self, unlink: bool = False) -> None:
-        self.view.release()
+        with contextlib.suppress(BufferError):  # a tensor still borrows it: dropped with it
+            self.view.release()
         self.mem.close(unlink=unlink)
+
+    # ----------------------------------------------------------------- epoch
+
+    @property
+    def epoch(self) -> int:
+        """This file's incarnation (read from the superblock, so a mapping sees a retire)."""
+        return int(_EPOCH.unpack_from(self.view, EPOCH_OFFSET)[0])
+
+    @property
+    def retired(self) -> bool:
+        """The agent replaced this file: its slots no longer mean anything."""
+        return bool(_RETIRED.unpack_from(self.view, RETIRED_OFFSET)[0])
 
     # ------------------------------------------------------------ addressing
 
@@ -208,10 +251,24 @@ class KvPool:
         if state == STORED:
             # Hash first, generation last: a reader that sees the new generation
             # sees the hash written with it.
-            _HDR.pack_into(
+            _HDR_STATE.pack_into(
                 self.view, off, self.header(slot).generation, ALLOCATED, len(block_hash), block_hash
             )
-        _HDR.pack_into(self.view, off, gen, state, len(block_hash), block_hash)
+        _HDR_STATE.pack_into(self.view, off, gen, state, len(block_hash), block_hash)
+
+    def owner(self, slot: int) -> Owner:
+        self.check_slot(slot)
+        return Owner(*_OWNER.unpack_from(self.view, self.header_offset(slot) + OWNER_OFFSET))
+
+    def _set_owner(self, slot: int, owner: Owner) -> None:
+        _OWNER.pack_into(self.view, self.header_offset(slot) + OWNER_OFFSET, *owner)
+
+    def set_owner(self, slots: Sequence[int], owner: Owner) -> None:
+        """Record who now holds these allocated slots (evicted blocks handed out)."""
+        with self._lock:
+            for s in slots:
+                self.check_slot(s)
+                self._set_owner(s, owner)
 
     def _bump(self, slot: int, state: int) -> int:
         gen = self.header(slot).generation + 1
@@ -232,13 +289,17 @@ class KvPool:
     def free_slots(self) -> int:
         return len(self._free)
 
-    def allocate(self, count: int) -> list[tuple[int, int]]:
-        """`count` slots with their new generations (all or nothing)."""
+    def allocate(self, count: int, owner: Owner = NO_OWNER) -> list[tuple[int, int]]:
+        """`count` slots with their new generations (all or nothing), held by `owner`."""
         with self._lock:
             if count > len(self._free):
                 raise PoolError(f"asked for {count} slots, {len(self._free)} free")
             slots = [self._free.pop() for _ in range(count)]
-            return [(s, self._bump(s, ALLOCATED)) for s in slots]
+            out = []
+            for s in slots:
+                self._set_owner(s, owner)
+                out.append((s, self._bump(s, ALLOCATED)))
+            return out
 
     def free(self, slots: list[int]) -> list[tuple[int, SlotHeader]]:
         """Release slots; returns (slot, header before) of those that were in use."""
@@ -251,8 +312,47 @@ class KvPool:
                 if before.state == FREE:
                     continue
                 self._bump(s, FREE)
+                self._set_owner(s, NO_OWNER)
                 self._free.append(s)
                 out.append((s, before))
+        return out
+
+    def allocated_by_owner(self) -> dict[Owner, list[int]]:
+        """ALLOCATED slots (reserved, never stored) of each recorded owner.
+
+        One vectorized pass over the header table: the agent runs it every few
+        seconds on pools of hundreds of thousands of slots.
+        """
+        import numpy as np
+
+        g = self.geometry
+        table = self.view[g.header_offset : g.header_offset + g.slots * HEADER_BYTES]
+        rows = np.frombuffer(table, np.uint8).reshape(g.slots, HEADER_BYTES)
+        pids = rows[:, OWNER_OFFSET : OWNER_OFFSET + 4].copy().view("<u4")[:, 0]
+        ticks = rows[:, OWNER_OFFSET + 8 : HEADER_BYTES].copy().view("<u8")[:, 0]
+        held = np.flatnonzero((rows[:, 8] == ALLOCATED) & (pids != 0))
+        out: dict[Owner, list[int]] = {}
+        for s in held.tolist():
+            out.setdefault(Owner(int(pids[s]), int(ticks[s])), []).append(s)
+        del rows, table  # drop the exports of the mapping
+        return out
+
+    def reclaim(self, slots: Sequence[int], owner: Owner) -> list[int]:
+        """Free the slots `owner` (gone) still holds allocated; generation bumped first.
+
+        A slot that changed hands since the caller looked (stored, freed, given
+        to someone else) is left alone.
+        """
+        out = []
+        with self._lock:
+            for s in slots:
+                self.check_slot(s)
+                if self.header(s).state != ALLOCATED or self.owner(s) != owner:
+                    continue
+                self._bump(s, FREE)
+                self._set_owner(s, NO_OWNER)
+                self._free.append(s)
+                out.append(s)
         return out
 
     def mark_stored(self, slot: int, block_hash: bytes, generation: int) -> bool:
@@ -282,29 +382,109 @@ class KvPool:
                 yield s, h
 
 
+@dataclass(frozen=True, slots=True)
+class Superblock:
+    version: int
+    slot_bytes: int
+    slots: int
+    header_offset: int
+    data_offset: int
+    epoch: int
+    retired: bool
+    namespace_key: str | None
+    """None when the stored namespace is not readable."""
+
+
+def read_superblock(buf: memoryview | bytes | mmap.mmap) -> Superblock | None:
+    """The superblock of a mapped pool file of this version, or None."""
+    if len(buf) < PAGE_BYTES:
+        return None
+    magic, version, slot_bytes, slots, hoff, doff, nlen = _SUPER.unpack_from(buf, 0)
+    if magic != MAGIC or version != VERSION or nlen > PAGE_BYTES - NAMESPACE_OFFSET:
+        return None
+    try:
+        ns = json.loads(bytes(buf[NAMESPACE_OFFSET : NAMESPACE_OFFSET + nlen]))
+    except ValueError:
+        ns = None
+    return Superblock(
+        version,
+        slot_bytes,
+        slots,
+        hoff,
+        doff,
+        _EPOCH.unpack_from(buf, EPOCH_OFFSET)[0],
+        bool(_RETIRED.unpack_from(buf, RETIRED_OFFSET)[0]),
+        ns if isinstance(ns, str) else None,
+    )
+
+
+def fits(sb: Superblock, geo: Geometry, file_bytes: int) -> bool:
+    """The superblock describes `geo` and the file is big enough to map it whole."""
+    return (
+        sb.slot_bytes == geo.slot_bytes
+        and sb.slots == geo.slots
+        and sb.header_offset == geo.header_offset
+        and sb.data_offset == geo.data_offset
+        and file_bytes >= geo.size
+    )
+
+
 def _attach(path: str, geo: Geometry, namespace_key: str) -> SharedMemory | None:
-    """Map an existing pool of the same shape and namespace, or None."""
+    """Map an existing live pool of the same shape and namespace, or None."""
     try:
         if os.path.getsize(path) != _round_up(geo.size, PAGE_BYTES):  # created page-rounded
             return None
     except OSError:
         return None
     mem = SharedMemory.open_readwrite(path)
-    magic, version, slot_bytes, slots, hoff, doff, nlen = _SUPER.unpack_from(mem.mm, 0)
-    ns = bytes(mem.mm[_SUPER.size : _SUPER.size + nlen])
-    same = (
-        magic == MAGIC
-        and version == 1
-        and slot_bytes == geo.slot_bytes
-        and slots == geo.slots
-        and hoff == geo.header_offset
-        and doff == geo.data_offset
-    )
-    try:
-        same = same and json.loads(ns) == namespace_key
-    except ValueError:
-        same = False
-    if not same:
+    sb = read_superblock(mem.mm)
+    if sb is None or sb.retired or not fits(sb, geo, mem.size) or sb.namespace_key != namespace_key:
         mem.close(unlink=False)
         return None
     return mem
+
+
+def _retire(path: str) -> None:
+    """Mark the pool file at `path` replaced, so engines mapping it attach again."""
+    try:
+        mem = SharedMemory.open_readwrite(path, owner=False)
+    except (OSError, ValueError):
+        return  # absent, or not a mappable pool: nobody maps it as one
+    try:
+        if read_superblock(mem.mm) is not None:
+            _RETIRED.pack_into(mem.mm, RETIRED_OFFSET, 1)
+    finally:
+        mem.close(unlink=False)
+
+
+def _create(path: str, geo: Geometry, ns: bytes) -> SharedMemory:
+    """A new pool file of a new epoch, renamed over `path` (never truncated in place:
+    an engine may still map the old one)."""
+    tmp = f"{path}.new-{os.getpid()}"
+    mem = SharedMemory.create(tmp, geo.size)
+    try:
+        _SUPER.pack_into(
+            mem.mm,
+            0,
+            MAGIC,
+            VERSION,
+            geo.slot_bytes,
+            geo.slots,
+            geo.header_offset,
+            geo.data_offset,
+            len(ns),
+        )
+        _EPOCH.pack_into(mem.mm, EPOCH_OFFSET, _new_epoch())
+        mem.mm[NAMESPACE_OFFSET : NAMESPACE_OFFSET + len(ns)] = ns
+        _retire(path)
+        os.replace(tmp, path)
+    except BaseException:
+        mem.close(unlink=True)
+        raise
+    mem.path = path
+    return mem
+
+
+def _new_epoch() -> int:
+    """Random and never 0 (0 in a request means "no epoch given")."""
+    return secrets.randbits(64) or 1

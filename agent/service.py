@@ -2,14 +2,20 @@
 
 Bad input gets INVALID_ARGUMENT (unknown namespace, slot out of range, a
 chain and slot list of different lengths), an exhausted pool
-RESOURCE_EXHAUSTED; nothing a caller sends can take the agent down.
+RESOURCE_EXHAUSTED, slots of another pool epoch FAILED_PRECONDITION (the
+caller maps a pool file this agent replaced: agent/pool.py); nothing a
+caller sends can take the agent down.
+
+Every slot the agent hands out is recorded as its caller's (agent/owners.py);
+`AgentCore.reclaim_dead` frees the slots of engines that are gone.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn, cast
 
@@ -18,7 +24,8 @@ import grpc
 from kvdir.agent.fetcher import Fetcher, FetchError
 from kvdir.agent.gpu_pool import GpuTier
 from kvdir.agent.metrics import AgentMetrics
-from kvdir.agent.pool import STORED, KvPool, PoolError, SlotHeader
+from kvdir.agent.owners import Owner, alive, owner_of
+from kvdir.agent.pool import STALE_EPOCH, STORED, KvPool, PoolError, SlotHeader
 from kvdir.agent.publisher import Publisher
 from kvdir.core.security import current_identity
 from kvdir.core.wire import AGENT_WIRE_VERSION, BadNamespace, namespace_key
@@ -27,6 +34,8 @@ from kvdir.transfer.engine import TransferEngine
 from kvdir.v1 import agent_pb2 as apb
 from kvdir.v1 import agent_pb2_grpc as apb_grpc
 from kvdir.v1 import directory_pb2 as pb
+
+log = logging.getLogger("kvdir.agent")
 
 CHAIN_BLOCKS_MAX = 4096
 NOTIFY_ENTRIES_MAX = 65536
@@ -48,6 +57,9 @@ class PoolState:
     gpu: GpuTier | None = None
     """The agent-owned device slots of a TIER_GPU pool (agent/gpu_pool.py)."""
     gpu_rkey: int = 0
+    fetching: Counter[int] = field(default_factory=Counter)
+    """Slots a Fetch is writing into now: never reclaimed under it (its caller may
+    have died, the bytes still land)."""
 
     def block_address(self, slot: int) -> int:
         """What the directory publishes for the block in `slot` (GPU address for a
@@ -105,7 +117,28 @@ class PoolState:
             gpu_address=self.gpu.address if self.gpu else 0,
             gpu_rkey=self.gpu_rkey if self.gpu else 0,
             gpu_device=self.gpu.device if self.gpu else 0,
+            epoch=self.pool.epoch,
         )
+
+    def reclaim_dead(self, is_alive: Callable[[Owner], bool] = alive) -> int:
+        """Free the reserved slots of owners that are gone; how many came back."""
+        n = 0
+        for owner, slots in self.pool.allocated_by_owner().items():
+            if is_alive(owner):
+                continue
+            with self.lock:
+                idle = [s for s in slots if not self.fetching[s]]
+            got = self.pool.reclaim(idle, owner)
+            self.forget(got)
+            if got:
+                log.info(
+                    "reclaimed %d slots of engine pid %d (gone)",
+                    len(got),
+                    owner.pid,
+                    extra={"epoch": self.pool.epoch},
+                )
+            n += len(got)
+        return n
 
     def local_prefix(self, chain: Sequence[bytes]) -> list[int]:
         """Slots of the leading blocks of `chain` this pool holds."""
@@ -148,7 +181,8 @@ class AgentCore:
         self.fetcher = fetcher
         self.metrics = metrics
 
-    def pool_of(self, ns: pb.Namespace, context: grpc.ServicerContext) -> PoolState:
+    def pool_of(self, ns: pb.Namespace, context: grpc.ServicerContext, epoch: int = 0) -> PoolState:
+        """The namespace's pool; a caller naming another epoch (0: none) is refused."""
         state = self.pools.get(ns_key(ns))
         if state is None:
             _abort(
@@ -157,7 +191,18 @@ class AgentCore:
                 f"this agent has no pool for namespace model={ns.model!r} "
                 f"block_tokens={ns.block_tokens}",
             )
+        if epoch and epoch != state.pool.epoch:
+            _abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{STALE_EPOCH}: the caller maps epoch {epoch:#x}, "
+                f"the pool is {state.pool.epoch:#x}",
+            )
         return state
+
+    def reclaim_dead(self) -> int:
+        """Slots of dead engines back to the free lists (the daemon calls this periodically)."""
+        return sum(st.reclaim_dead() for st in self.pools.values())
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> NoReturn:
@@ -235,27 +280,33 @@ class EngineService(apb_grpc.EngineServicer):
     def Allocate(
         self, request: apb.AllocateRequest, context: grpc.ServicerContext
     ) -> apb.AllocateResponse:
-        state = self.core.pool_of(request.namespace, context)
+        state = self.core.pool_of(request.namespace, context, request.epoch)
         if request.count == 0:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "count must be > 0")
+        owner = owner_of(request.pid)
         if request.evict:
-            got = self._allocate_evicting(state, request.count)
+            got = self._allocate_evicting(state, request.count, owner)
         else:
             try:
-                got = state.pool.allocate(request.count)
+                got = state.pool.allocate(request.count, owner)
             except PoolError as e:
                 _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         self.core.metrics.pool_free_slots.labels(ns_key(request.namespace)[:16]).set(
             state.pool.free_slots
         )
-        return apb.AllocateResponse(slots=[s for s, _ in got], generations=[g for _, g in got])
+        return apb.AllocateResponse(
+            slots=[s for s, _ in got], generations=[g for _, g in got], epoch=state.pool.epoch
+        )
 
-    def _allocate_evicting(self, state: PoolState, count: int) -> list[tuple[int, int]]:
+    def _allocate_evicting(
+        self, state: PoolState, count: int, owner: Owner
+    ) -> list[tuple[int, int]]:
         """Free slots first, then least recently used blocks; may return fewer."""
-        got = state.pool.allocate(min(count, state.pool.free_slots))
+        got = state.pool.allocate(min(count, state.pool.free_slots), owner)
         if len(got) < count:
             evicted = state.evict_lru(count - len(got))
             if evicted:
+                state.pool.set_owner([s for s, _ in evicted], owner)
                 self._publish_removed(state, evicted)
                 got += [(s, state.pool.header(s).generation) for s, _ in evicted]
                 self.core.metrics.pool_evictions.inc(len(evicted))
@@ -271,7 +322,7 @@ class EngineService(apb_grpc.EngineServicer):
         )
 
     def Free(self, request: apb.FreeRequest, context: grpc.ServicerContext) -> apb.FreeResponse:
-        state = self.core.pool_of(request.namespace, context)
+        state = self.core.pool_of(request.namespace, context, request.epoch)
         try:
             freed = state.pool.free(list(request.slots))
         except PoolError as e:
@@ -289,7 +340,7 @@ class EngineService(apb_grpc.EngineServicer):
     def Notify(
         self, request: apb.NotifyRequest, context: grpc.ServicerContext
     ) -> apb.NotifyResponse:
-        state = self.core.pool_of(request.namespace, context)
+        state = self.core.pool_of(request.namespace, context, request.epoch)
         n = len(request.stored_hashes)
         if n > NOTIFY_ENTRIES_MAX or len(request.removed_hashes) > NOTIFY_ENTRIES_MAX:
             _abort(
@@ -367,7 +418,7 @@ class EngineService(apb_grpc.EngineServicer):
     def Lookup(
         self, request: apb.EngineLookupRequest, context: grpc.ServicerContext
     ) -> apb.EngineLookupResponse:
-        state = self.core.pool_of(request.namespace, context)
+        state = self.core.pool_of(request.namespace, context, request.epoch)
         chain = list(request.block_hashes)
         if len(chain) > CHAIN_BLOCKS_MAX:
             _abort(
@@ -376,7 +427,9 @@ class EngineService(apb_grpc.EngineServicer):
         self.core.metrics.lookups.inc()
         local = state.local_prefix(chain)
         state.touch(local)
-        resp = apb.EngineLookupResponse(local_blocks=len(local), local_slots=local)
+        resp = apb.EngineLookupResponse(
+            local_blocks=len(local), local_slots=local, epoch=state.pool.epoch
+        )
         if chain:
             # The fetcher's directory reads: the agent's mirror while it is fresh, so
             # the connector's scheduler side costs one local RPC and no directory load.
@@ -394,13 +447,15 @@ class EngineService(apb_grpc.EngineServicer):
         return resp
 
     def Fetch(self, request: apb.FetchRequest, context: grpc.ServicerContext) -> apb.FetchResponse:
-        state = self.core.pool_of(request.namespace, context)
+        state = self.core.pool_of(request.namespace, context, request.epoch)
         chain, slots = list(request.block_hashes), list(request.slots)
         if len(chain) > CHAIN_BLOCKS_MAX:
             _abort(
                 context, grpc.StatusCode.INVALID_ARGUMENT, f"chain over {CHAIN_BLOCKS_MAX} blocks"
             )
         timeout = request.timeout_ms / 1000 if request.timeout_ms else None
+        with state.lock:
+            state.fetching.update(slots)
         try:
             r = self.core.fetcher.fetch(
                 request.namespace,
@@ -413,6 +468,12 @@ class EngineService(apb_grpc.EngineServicer):
             )
         except (FetchError, PoolError) as e:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            with state.lock:
+                state.fetching.subtract(slots)
+                for s in slots:
+                    if state.fetching[s] <= 0:
+                        del state.fetching[s]
         m = self.core.metrics
         m.fetch_seconds.observe(r.seconds)
         m.fetches.labels("hit" if r.valid_blocks else "miss").inc()
@@ -431,4 +492,5 @@ class EngineService(apb_grpc.EngineServicer):
             seconds=r.seconds,
             read_seconds=r.read_seconds,
             path=r.path,
+            epoch=state.pool.epoch,
         )

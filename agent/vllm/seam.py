@@ -11,18 +11,30 @@ cannot be reached or answers an error; after one, `available()` is False
 for `agent_retry_s` so callers answer "nothing to load" without asking.
 The pool mapping is the engine library's (agent/engine_client.py): bytes
 never cross the socket. `stored` only queues (engine_client ships batches).
+
+Pool epochs (agent/pool.py). When the agent answers for another epoch of the
+pool, or the mapped file is marked retired (the agent restarted with a new
+pool file), the verb raises AgentUnavailable and then:
+- a seam whose mapping nobody was handed (the scheduler side: lookups only)
+  drops its client and attaches again on the next call;
+- a seam whose mapping was handed out (`pool`, `attached_pool`: the worker's
+  copier reads and writes through it) keeps that mapping and becomes `stale`:
+  every verb is refused from then on (the agent would refuse that epoch's
+  slots anyway), loads in flight fail and vLLM recomputes, until the owner of
+  the mapping closes the seam and attaches again with a new copier. Bytes and
+  headers are thus always read through one mapping of one epoch, and the old
+  mapping is never used to reach the new file's slots.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvdir.agent.engine_client import EngineClient, EngineError, _AttachedPool
+from kvdir.agent.engine_client import EngineClient, EngineError, PoolChanged, _AttachedPool
 from kvdir.agent.pool import KvPool
 from kvdir.agent.vllm.config import ConnectorConfig
 from kvdir.agent.vllm.namespace import NamespaceError, describe
@@ -65,7 +77,10 @@ class AgentSeam:
         self.slot_bytes_min = slot_bytes_min
         self.clock = clock
         self._client: EngineClient | None = None
-        self._pool_inode = 0
+        self._bound = False
+        """The mapping was handed out: it is kept, stale or not, until `close`."""
+        self.stale = False
+        """The bound mapping is of an epoch the agent no longer serves."""
         self._down_until = 0.0
         self._lock = threading.Lock()
 
@@ -78,6 +93,10 @@ class AgentSeam:
         small, is a configuration error: NamespaceError says what to add.
         """
         with self._lock:
+            if self.stale:
+                raise AgentUnavailable(
+                    "the agent replaced the pool file: this mapping's epoch is gone"
+                )
             if self._client is not None:
                 return self._client
             if self.clock() < self._down_until:
@@ -96,41 +115,63 @@ class AgentSeam:
                     f"kvdir connector: the agent at {self.cfg.agent_socket} has {have} for this "
                     f"engine; add to its config: {describe(self.ns, self.slot_bytes_min)}"
                 )
-            self._pool_inode = os.stat(pool.info.path).st_ino
             self._client = client
-            log.info("attached to the kvdir agent", extra={"node": client.node_id})
+            log.info(
+                "attached to the kvdir agent",
+                extra={"node": client.node_id, "epoch": f"{pool.epoch:#x}"},
+            )
             return client
 
     def available(self) -> bool:
-        """False for agent_retry_s after a failure (callers then skip the agent)."""
-        return self.clock() >= self._down_until
+        """False for agent_retry_s after a failure, and for good once stale (callers
+        then skip the agent)."""
+        return not self.stale and self.clock() >= self._down_until
+
+    @property
+    def epoch(self) -> int:
+        """The pool epoch this seam's client maps (0 when not attached)."""
+        client = self._client
+        return client.pools[namespace_key(self.ns)].epoch if client is not None else 0
 
     def attached_pool(self) -> _AttachedPool:
-        """The pool of this namespace as the engine library maps it (info + mapping)."""
-        return self.attach().pools[namespace_key(self.ns)]
+        """The pool of this namespace as the engine library maps it (info + mapping).
+
+        Handing it out binds the seam to this mapping (see the module docstring).
+        """
+        client = self._client if self.stale else self.attach()
+        assert client is not None  # stale implies a bound client
+        self._bound = True
+        return client.pools[namespace_key(self.ns)]
 
     @property
     def pool(self) -> KvPool:
-        client = self.attach()
-        return client.pools[namespace_key(self.ns)].pool
+        return self.attached_pool().pool
 
     def pool_is_current(self) -> bool:
         """False when the agent now serves another pool file than the one we map
-        (it restarted with a new shape): then bytes it wrote are not in our mapping."""
+        (it restarted with a new shape or a new GPU tier): bytes it writes are not
+        in our mapping, and our slot numbers mean nothing to it."""
         client = self._client
-        if client is None:
-            return False
-        info = client.pools[namespace_key(self.ns)].info
-        try:
-            return os.stat(info.path).st_ino == self._pool_inode
-        except OSError:
-            return False
+        return client is not None and not self.stale and client.current(self.ns)
 
     def _failed(self, e: Exception) -> AgentUnavailable:
-        """Note a failure: callers back off; a client whose pool file is gone is dropped."""
-        self._down_until = self.clock() + self.cfg.agent_retry_s
-        if not self.pool_is_current():
-            self.close()
+        """Note a failure and re-check the mapping: callers back off; a mapping of an
+        epoch the agent no longer serves is dropped (unbound) or marks the seam stale."""
+        changed = isinstance(e, PoolChanged) or (
+            self._client is not None and not self._client.current(self.ns)
+        )
+        if not changed:
+            self._down_until = self.clock() + self.cfg.agent_retry_s
+        elif self._bound:
+            if not self.stale:
+                log.warning(
+                    "kvdir: the agent replaced the pool file; loads and saves stop "
+                    "until the worker side attaches again: %s",
+                    e,
+                )
+            self.stale = True
+        else:
+            self.close()  # attach again at the next call, no back-off
         return AgentUnavailable(str(e))
 
     # ------------------------------------------------------------- verbs
@@ -157,8 +198,8 @@ class AgentSeam:
             r = client.fetch(self.ns, chain, slots, self.cfg.load_timeout_ms, skip_blocks=skip)
         except EngineError as e:
             raise self._failed(e) from e
-        if not self.pool_is_current():
-            raise self._failed(EngineError("the agent's pool file changed under us"))
+        if not self.pool_is_current():  # replaced after it answered: not our file's bytes
+            raise self._failed(PoolChanged("the agent's pool file changed under us"))
         return Fetched(
             r.valid_blocks, r.transport, r.bytes, r.invalidated, r.source_node,
             r.seconds, r.read_seconds,
@@ -172,15 +213,18 @@ class AgentSeam:
             raise self._failed(e) from e
 
     def release(self, slots: Sequence[int]) -> None:
-        if not slots or self._client is None:
-            return
+        if not slots or self._client is None or self.stale:
+            return  # a stale epoch's slots are gone with its file
         try:
             self._client.free(self.ns, slots)
         except EngineError as e:
             raise self._failed(e) from e
 
     def close(self) -> None:
+        """Drop the client and its mapping; the next verb attaches again (unbound)."""
         with self._lock:
             client, self._client = self._client, None
+            self._bound = False
+            self.stale = False
         if client is not None:
             client.close()

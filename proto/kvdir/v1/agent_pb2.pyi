@@ -52,6 +52,7 @@ class PoolInfo(_message.Message):
     GPU_ADDRESS_FIELD_NUMBER: _builtins.int
     GPU_RKEY_FIELD_NUMBER: _builtins.int
     GPU_DEVICE_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     header_address: _builtins.int
     header_bytes: _builtins.int
     data_address: _builtins.int
@@ -70,6 +71,12 @@ class PoolInfo(_message.Message):
     """
     gpu_rkey: _builtins.int
     gpu_device: _builtins.int
+    epoch: _builtins.int
+    """The pool file's incarnation (agent/pool.py): slot numbers and generations
+    mean something only within one epoch. An engine that sees another epoch
+    in an answer (or `retired` in its mapping's superblock) drops its mapping
+    and the slots it held, and attaches again.
+    """
     @_builtins.property
     def namespace(self) -> _directory_pb2.Namespace: ...
     def __init__(
@@ -87,10 +94,11 @@ class PoolInfo(_message.Message):
         gpu_address: _builtins.int = ...,
         gpu_rkey: _builtins.int = ...,
         gpu_device: _builtins.int = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_address", b"data_address", "gpu_address", b"gpu_address", "gpu_device", b"gpu_device", "gpu_rkey", b"gpu_rkey", "header_address", b"header_address", "header_bytes", b"header_bytes", "namespace", b"namespace", "path", b"path", "rkey", b"rkey", "slot_bytes", b"slot_bytes", "slots", b"slots", "tier", b"tier"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_address", b"data_address", "epoch", b"epoch", "gpu_address", b"gpu_address", "gpu_device", b"gpu_device", "gpu_rkey", b"gpu_rkey", "header_address", b"header_address", "header_bytes", b"header_bytes", "namespace", b"namespace", "path", b"path", "rkey", b"rkey", "slot_bytes", b"slot_bytes", "slots", b"slots", "tier", b"tier"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -351,12 +359,19 @@ class AttachRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    PID_FIELD_NUMBER: _builtins.int
+    pid: _builtins.int
+    """The engine's process id: slots it allocates are recorded as its own and
+    reclaimed once it is gone (0: never reclaimed).
+    """
     def __init__(
         self,
+        *,
+        pid: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pid", b"pid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -401,11 +416,17 @@ class AllocateRequest(_message.Message):
     NAMESPACE_FIELD_NUMBER: _builtins.int
     COUNT_FIELD_NUMBER: _builtins.int
     EVICT_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
     count: _builtins.int
     evict: _builtins.bool
     """When the pool has fewer free slots, evict the least recently used stored
     blocks (generation bumped, removal published) to make up the count.
     """
+    epoch: _builtins.int
+    """the pool epoch the caller maps (0: not checked)"""
+    pid: _builtins.int
+    """the owner of the slots (see AttachRequest.pid)"""
     @_builtins.property
     def namespace(self) -> _directory_pb2.Namespace: ...
     def __init__(
@@ -414,10 +435,12 @@ class AllocateRequest(_message.Message):
         namespace: _directory_pb2.Namespace | None = ...,
         count: _builtins.int = ...,
         evict: _builtins.bool = ...,
+        epoch: _builtins.int = ...,
+        pid: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "evict", b"evict", "namespace", b"namespace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "epoch", b"epoch", "evict", b"evict", "namespace", b"namespace", "pid", b"pid"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -433,6 +456,9 @@ class AllocateResponse(_message.Message):
 
     SLOTS_FIELD_NUMBER: _builtins.int
     GENERATIONS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    """the epoch these slots belong to"""
     @_builtins.property
     def slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -442,10 +468,11 @@ class AllocateResponse(_message.Message):
         *,
         slots: _abc.Iterable[_builtins.int] | None = ...,
         generations: _abc.Iterable[_builtins.int] | None = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generations", b"generations", "slots", b"slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "generations", b"generations", "slots", b"slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -453,10 +480,17 @@ Global___AllocateResponse: _TypeAlias = AllocateResponse  # noqa: Y015
 
 @_typing.final
 class FreeRequest(_message.Message):
+    """A request naming slots of another epoch than the pool's (the agent
+    restarted with a new pool file) is refused with FAILED_PRECONDITION: its
+    slot numbers mean nothing in this file.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     NAMESPACE_FIELD_NUMBER: _builtins.int
     SLOTS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
     @_builtins.property
     def namespace(self) -> _directory_pb2.Namespace: ...
     @_builtins.property
@@ -466,10 +500,11 @@ class FreeRequest(_message.Message):
         *,
         namespace: _directory_pb2.Namespace | None = ...,
         slots: _abc.Iterable[_builtins.int] | None = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace", "slots", b"slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "namespace", b"namespace", "slots", b"slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -508,8 +543,10 @@ class NotifyRequest(_message.Message):
     REMOVED_SLOTS_FIELD_NUMBER: _builtins.int
     DROPPED_FIELD_NUMBER: _builtins.int
     REMOVED_GENERATIONS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     dropped: _builtins.int
     """notifications the engine-side queue dropped"""
+    epoch: _builtins.int
     @_builtins.property
     def namespace(self) -> _directory_pb2.Namespace: ...
     @_builtins.property
@@ -537,10 +574,11 @@ class NotifyRequest(_message.Message):
         removed_slots: _abc.Iterable[_builtins.int] | None = ...,
         dropped: _builtins.int = ...,
         removed_generations: _abc.Iterable[_builtins.int] | None = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "namespace", b"namespace", "removed_generations", b"removed_generations", "removed_hashes", b"removed_hashes", "removed_slots", b"removed_slots", "stored_generations", b"stored_generations", "stored_hashes", b"stored_hashes", "stored_slots", b"stored_slots"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dropped", b"dropped", "epoch", b"epoch", "namespace", b"namespace", "removed_generations", b"removed_generations", "removed_hashes", b"removed_hashes", "removed_slots", b"removed_slots", "stored_generations", b"stored_generations", "stored_hashes", b"stored_hashes", "stored_slots", b"stored_slots"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -567,6 +605,8 @@ class EngineLookupRequest(_message.Message):
 
     NAMESPACE_FIELD_NUMBER: _builtins.int
     BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
     @_builtins.property
     def namespace(self) -> _directory_pb2.Namespace: ...
     @_builtins.property
@@ -576,10 +616,11 @@ class EngineLookupRequest(_message.Message):
         *,
         namespace: _directory_pb2.Namespace | None = ...,
         block_hashes: _abc.Iterable[_builtins.bytes] | None = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "namespace", b"namespace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "epoch", b"epoch", "namespace", b"namespace"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -618,8 +659,11 @@ class EngineLookupResponse(_message.Message):
     LOCAL_BLOCKS_FIELD_NUMBER: _builtins.int
     LOCAL_SLOTS_FIELD_NUMBER: _builtins.int
     PEERS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     local_blocks: _builtins.int
     """leading blocks already in this node's pool"""
+    epoch: _builtins.int
+    """the epoch local_slots belong to"""
     @_builtins.property
     def local_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -632,10 +676,11 @@ class EngineLookupResponse(_message.Message):
         local_blocks: _builtins.int = ...,
         local_slots: _abc.Iterable[_builtins.int] | None = ...,
         peers: _abc.Iterable[Global___PeerPrefix] | None = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["local_blocks", b"local_blocks", "local_slots", b"local_slots", "peers", b"peers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "local_blocks", b"local_blocks", "local_slots", b"local_slots", "peers", b"peers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -650,6 +695,7 @@ class FetchRequest(_message.Message):
     SLOTS_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     SKIP_BLOCKS_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     timeout_ms: _builtins.int
     """0 = agent default"""
     skip_blocks: _builtins.int
@@ -657,6 +703,7 @@ class FetchRequest(_message.Message):
     read, into `slots` (one per block from skip_blocks on); valid_blocks then
     counts from skip_blocks too.
     """
+    epoch: _builtins.int
     @_builtins.property
     def namespace(self) -> _directory_pb2.Namespace: ...
     @_builtins.property
@@ -675,10 +722,11 @@ class FetchRequest(_message.Message):
         slots: _abc.Iterable[_builtins.int] | None = ...,
         timeout_ms: _builtins.int = ...,
         skip_blocks: _builtins.int = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "namespace", b"namespace", "skip_blocks", b"skip_blocks", "slots", b"slots", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "epoch", b"epoch", "namespace", b"namespace", "skip_blocks", b"skip_blocks", "slots", b"slots", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -696,6 +744,7 @@ class FetchResponse(_message.Message):
     SECONDS_FIELD_NUMBER: _builtins.int
     READ_SECONDS_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
     valid_blocks: _builtins.int
     """leading blocks (from skip_blocks) now valid in the given slots"""
     source_node: _builtins.str
@@ -708,6 +757,8 @@ class FetchResponse(_message.Message):
     """of `seconds`: data read, header read and validation"""
     path: _builtins.str
     """"cuda" (same-host GPU), "host" (the holder's host copy), ..."""
+    epoch: _builtins.int
+    """the epoch of the slots written"""
     def __init__(
         self,
         *,
@@ -719,10 +770,11 @@ class FetchResponse(_message.Message):
         seconds: _builtins.float = ...,
         read_seconds: _builtins.float = ...,
         path: _builtins.str = ...,
+        epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "invalidated", b"invalidated", "path", b"path", "read_seconds", b"read_seconds", "seconds", b"seconds", "source_node", b"source_node", "transport", b"transport", "valid_blocks", b"valid_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "epoch", b"epoch", "invalidated", b"invalidated", "path", b"path", "read_seconds", b"read_seconds", "seconds", b"seconds", "source_node", b"source_node", "transport", b"transport", "valid_blocks", b"valid_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
