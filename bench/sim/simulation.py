@@ -3,8 +3,8 @@
 A step is one tick period of simulated time: the clock advances, due
 messages reach each running replica (in a seeded order) followed by its Raft
 tick, as pysyncobj's loop does (poll, then tick); queued background jobs (the
-dump writer) whose step came run; the seed may inject one fault and start
-client operations; then every invariant (`checks`) is checked.
+dump writer) whose step came run; every invariant (`checks`) is checked;
+then the seed may inject one fault and start client operations.
 
 Faults, each drawn with the seed's own rates (`Knobs`): crash of a replica
 (with or without power loss, unsynced writes gone), a power cut of every
@@ -12,8 +12,8 @@ replica at once, restart, partition
 (a random split or one replica cut off) and heal, leadership transfer,
 forced log compaction (and compaction on small thresholds throughout, so
 snapshot installs to lagging followers happen), message loss, delay,
-duplication and reordering (`net.NetFaults`). Membership changes are not
-injected yet (see the module's README in `__init__`).
+duplication and reordering (`net.NetFaults`), membership changes (a
+follower removed, later added back empty: `membership`).
 
 After the last step the run heals: the network is made whole and clean,
 every replica restarts, and the run goes on until all replicas applied the
@@ -27,6 +27,7 @@ identical on every replay.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import shutil
@@ -39,6 +40,7 @@ from bench.chaos.checker import by_key, check_key, lost_writes
 from bench.sim import replicas as rp
 from bench.sim.checks import Invariants, Violation, watch_cuts
 from bench.sim.disk import Disk
+from bench.sim.membership import Membership
 from bench.sim.net import NetFaults, Network
 from bench.sim.workload import Workload
 from kvdir.directory.consensus.tuning import RaftTuning
@@ -72,6 +74,8 @@ class Knobs:
     dump_delay_steps_max: int
     compaction_min_entries: int
     compaction_min_time_s: float
+    membership: float = 0.0
+    """Per step: the chance of starting a membership change (`membership`)."""
 
     @classmethod
     def draw(cls, rng: random.Random) -> Knobs:
@@ -154,6 +158,9 @@ class Simulation:
         self.seed, self.steps, self.n = seed, steps, replicas
         self.rng = random.Random(f"sim/{seed}")
         drawn = Knobs.draw(self.rng)
+        self.addresses = [f"127.0.0.1:{7001 + i}" for i in range(replicas)]
+        self.members = Membership.of(seed, self.addresses)
+        drawn = dataclasses.replace(drawn, membership=self.members.draw_rate())
         self.knobs = knobs or drawn
         self.disk_lies = disk_lies
         self.clock = rp.SimClock()
@@ -167,7 +174,6 @@ class Simulation:
             compaction_min_entries=self.knobs.compaction_min_entries,
             compaction_min_time_s=self.knobs.compaction_min_time_s,
         )
-        self.addresses = [f"127.0.0.1:{7001 + i}" for i in range(replicas)]
         self._tmp = ""
         self.seats: dict[str, rp.SimReplica] = {}
         self.work = Workload(owners=3, keys_per_owner=4, rng=random.Random(f"ops/{seed}"))
@@ -229,10 +235,10 @@ class Simulation:
                 self._deliver(seat, src, data)
             self._tick(seat)
         self._run_jobs()
+        self._check()  # before any fault: a replica that crashes now was seen as it was
         if faults:
             self._maybe_fault()
         self._client(faults)
-        self._check()
 
     def _deliver(self, seat: rp.SimReplica, src: str, data: bytes) -> None:
         t = self.net.transports.get(seat.address)
@@ -270,10 +276,11 @@ class Simulation:
 
     # ------------------------------------------------------------ replicas
 
-    def _start(self, addr: str) -> None:
+    def _start(self, addr: str, peers: list[str] | None = None, join: bool = False) -> None:
         seat = self.seats[addr]
+        peers = peers or sorted(self.members.members)
         try:
-            r = rp.start(seat, self.addresses, self.tuning, self.net, self._background)
+            r = rp.start(seat, peers, self.tuning, self.net, self._background, join)
         except Exception as e:
             self._violation("start_failed", f"{addr}: {type(e).__name__}: {e}"[:300])
             return
@@ -305,7 +312,7 @@ class Simulation:
     def _maybe_fault(self) -> None:
         k, rng = self.knobs, self.rng
         up = [a for a in sorted(self.seats) if self.seats[a].up]
-        down = [a for a in sorted(self.seats) if not self.seats[a].up]
+        down = [a for a in sorted(self.seats) if not self.seats[a].up and a in self.members.members]
         roll = rng.random()
         if up and roll < k.blackout:
             self._note("blackout: every replica loses power")
@@ -329,6 +336,8 @@ class Simulation:
             addr = rng.choice(up)
             self.seats[addr].replica.forceLogCompaction()  # type: ignore[union-attr]
             self._note(f"{addr} forced compaction")
+        else:
+            self.members.maybe_change(self, k.membership)
 
     def _partition(self) -> None:
         addrs = sorted(self.seats)
@@ -360,6 +369,7 @@ class Simulation:
             return s.up and s.incarnation == incarnation
 
         self.work.expire(self.clock.now, alive)
+        self.members.settle_late(self)
         if faults and self.rng.random() < self.knobs.op:
             bulk = self.rng.random() < self.knobs.bulk
             started = self.work.start_op(self.clock.now, running, bulk)
@@ -393,7 +403,7 @@ class Simulation:
         self.net.heal()
         self.net.faults = NetFaults()
         self._note("heal: network whole and clean, every replica restarted")
-        for addr in sorted(self.seats):
+        for addr in sorted(self.members.members):
             if not self.seats[addr].up:
                 self._start(addr)
         for _ in range(HEAL_STEPS_MAX):
@@ -430,9 +440,12 @@ class Simulation:
         target = int(lr.raftCommitIndex)
         if target < lr.last_log_index():
             return False
+        if self.members.changing is not None:
+            return False
         return all(
             s.replica is not None and int(s.replica.raftLastApplied) == target
-            for s in self.seats.values()
+            for a, s in self.seats.items()
+            if a in self.members.members
         )
 
     def _final_checks(self) -> None:

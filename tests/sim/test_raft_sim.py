@@ -56,8 +56,10 @@ REGRESSION_SEEDS = {
     47: "hole 1: ... below its own commit index",
     25: "hole 3: a large entry's early 'finish' chunk failed to unpickle (EOFError)",
     91: "hole 3: the same",
-    85: "a snapshot chunk raised a follower's commit index over a deposed leader's entries",
-    36: "the same, and then an acknowledged Publish was lost and two tables differed",
+    36: (
+        "hole 1, and a snapshot chunk raised a follower's commit index over a deposed "
+        "leader's entries: it applied them, an acknowledged Publish was lost, tables differed"
+    ),
 }
 """Seeds (of STEPS steps) that failed on the product before the fixes of issue 29
 (bf97ea0, be749fc; run on f4a7c8a's directory/ with this simulator: all 100 CI
