@@ -15,15 +15,15 @@ never cross the socket. `stored` only queues (engine_client ships batches).
 Pool epochs (agent/pool.py). When the agent answers for another epoch of the
 pool, or the mapped file is marked retired (the agent restarted with a new
 pool file), the verb raises AgentUnavailable and then:
-- a seam whose mapping nobody was handed (the scheduler side: lookups only)
-  drops its client and attaches again on the next call;
-- a seam whose mapping was handed out (`pool`, `attached_pool`: the worker's
-  copier reads and writes through it) keeps that mapping and becomes `stale`:
-  every verb is refused from then on (the agent would refuse that epoch's
-  slots anyway), loads in flight fail and vLLM recomputes, until the owner of
-  the mapping closes the seam and attaches again with a new copier. Bytes and
-  headers are thus always read through one mapping of one epoch, and the old
-  mapping is never used to reach the new file's slots.
+- a seam that only looked up (the scheduler side) drops its client and
+  attaches again on the next call;
+- a seam bound to its mapping (handed out through `pool` / `attached_pool` to
+  a copier, or holding slots from `reserve`) keeps that mapping and becomes
+  `stale`, for good: every verb is refused from then on (the agent would
+  refuse that epoch's slots anyway), loads in flight fail and vLLM
+  recomputes. Its owner builds a new seam (and copier) to go on. Bytes and
+  headers are thus always read through one mapping of one epoch, and no slot
+  of an old epoch ever reaches the new file.
 """
 
 from __future__ import annotations
@@ -78,9 +78,9 @@ class AgentSeam:
         self.clock = clock
         self._client: EngineClient | None = None
         self._bound = False
-        """The mapping was handed out: it is kept, stale or not, until `close`."""
+        """The mapping was handed out or slots were reserved: this seam stays on its epoch."""
         self.stale = False
-        """The bound mapping is of an epoch the agent no longer serves."""
+        """Bound to an epoch the agent no longer serves: every verb is refused, for good."""
         self._down_until = 0.0
         self._lock = threading.Lock()
 
@@ -139,7 +139,8 @@ class AgentSeam:
         Handing it out binds the seam to this mapping (see the module docstring).
         """
         client = self._client if self.stale else self.attach()
-        assert client is not None  # stale implies a bound client
+        if client is None:
+            raise AgentUnavailable("this seam's pool mapping was closed")
         self._bound = True
         return client.pools[namespace_key(self.ns)]
 
@@ -187,6 +188,7 @@ class AgentSeam:
 
     def reserve(self, count: int) -> list[int]:
         client = self.attach()
+        self._bound = True  # these slots are of this epoch
         try:
             return client.allocate(self.ns, count, evict=True).slots
         except EngineError as e:
@@ -221,10 +223,11 @@ class AgentSeam:
             raise self._failed(e) from e
 
     def close(self) -> None:
-        """Drop the client and its mapping; the next verb attaches again (unbound)."""
+        """Drop the client and its mapping. An unbound seam attaches again at its next
+        verb; a bound one is done (`stale`): its slots and mapping were of one epoch."""
         with self._lock:
             client, self._client = self._client, None
-            self._bound = False
-            self.stale = False
+            if self._bound:
+                self.stale = True
         if client is not None:
             client.close()

@@ -174,11 +174,12 @@ def test_the_scheduler_seam_attaches_again_after_a_new_epoch(solo: LocalAgent) -
 
 
 @pytest.mark.timeout(120)
-def test_a_worker_seam_goes_stale_keeps_its_mapping_then_attaches_again(
+def test_a_worker_seam_goes_stale_for_good_and_a_new_seam_maps_the_new_epoch(
     solo: LocalAgent,
 ) -> None:
     """A load in flight across the change fails (vLLM recomputes); the copier's
-    mapping is never swapped under it; after close the seam maps the new epoch."""
+    mapping is never swapped under it, and its slots never reach the new pool;
+    a new seam (what the connector builds with a new copier) maps the new epoch."""
     seam = _seam(solo)
     try:
         mapped = seam.pool  # what a copier holds
@@ -194,12 +195,21 @@ def test_a_worker_seam_goes_stale_keeps_its_mapping_then_attaches_again(
             with pytest.raises(AgentUnavailable):
                 verb()
         seam.release(slots)  # old slots: dropped, never sent to the new pool
+        with pytest.raises(AgentUnavailable):
+            seam.stored(chain, slots)
         seam.close()
-        fresh = seam.pool
-        assert fresh is not mapped and fresh.geometry.slot_bytes == SLOT_BYTES * 2
-        assert seam.epoch not in (0, old_epoch) and len(seam.reserve(2)) == 2
+        with pytest.raises(AgentUnavailable):
+            seam.pool  # noqa: B018 (closed for good: no mapping of another epoch appears)
+        assert seam.stale
     finally:
         seam.close()
+    again = _seam(solo)
+    try:
+        fresh = again.pool
+        assert fresh.geometry.slot_bytes == SLOT_BYTES * 2
+        assert again.epoch not in (0, old_epoch) and len(again.reserve(2)) == 2
+    finally:
+        again.close()
 
 
 # -------------------------------------------------------------- dead engines
