@@ -10,7 +10,10 @@ Every key, its default and what it bounds (docs/vllm.md lists them for users)::
     agent_retry_s       after the agent failed, lookups answer 0 for this long
     min_load_blocks     shorter external hits are recomputed instead of loaded
     save                store computed full blocks into the node's pool
-    save_reserve_slots  pool slots kept allocated ahead, so saving never waits
+    save_reserve_slots  pool slots kept allocated ahead, so saving never waits (at least
+                        twice what one step can complete, at most half the pool)
+    skip_slow_pulls     skip a peer pull this engine's own measurements say is slower than
+                        recomputing the same tokens (its pool's blocks are always read)
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class ConnectorConfig:
     min_load_blocks: int = 1
     save: bool = True
     save_reserve_slots: int = 256
+    skip_slow_pulls: bool = True
 
 
 _BOUNDS: dict[str, tuple[float, float]] = {

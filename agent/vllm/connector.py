@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +39,7 @@ from kvdir.agent.vllm.config import (
     from_extra,
 )
 from kvdir.agent.vllm.namespace import KvShape, NamespaceError, dtype_name, namespace
-from kvdir.agent.vllm.plan import BlockTables
+from kvdir.agent.vllm.plan import PREFILL_SAMPLE_TOKENS_MIN, BlockTables
 from kvdir.agent.vllm.scheduler import SchedulerSide, StepMeta
 from kvdir.agent.vllm.seam import AgentSeam, AgentUnavailable
 from kvdir.agent.vllm.stats import KvdirPromMetrics, KvdirStats, lookup_data, worker_data
@@ -59,6 +60,8 @@ def _log_like_vllm() -> None:
 _log_like_vllm()
 
 UNSEEDED_ALGOS = ("xxhash", "xxhash_cbor")
+STEP_TIMINGS_MAX = 64
+"""Timed forward passes not yet completed that a worker keeps (past this it times none)."""
 
 
 @dataclass
@@ -117,6 +120,49 @@ def _model_name(cfg: ConnectorConfig, vllm_config: Any) -> str:
     return str(served or vllm_config.model_config.model)
 
 
+class StepTimer:
+    """Times forward passes that compute a prefill-sized batch (the pull-cost model's
+    recompute speed): wall time on CPU, CUDA events on the engine's stream (read once
+    they completed, never waited on)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self._open: tuple[int, Any] | None = None
+        self._pending: list[tuple[int, Any, Any]] = []
+
+    def start(self, tokens: int) -> None:
+        self._open = None
+        if tokens < PREFILL_SAMPLE_TOKENS_MIN or len(self._pending) >= STEP_TIMINGS_MAX:
+            return
+        self._open = (tokens, self._mark())
+
+    def stop(self) -> None:
+        if self._open is not None:
+            tokens, begin = self._open
+            self._pending.append((tokens, begin, self._mark()))
+            self._open = None
+
+    def _mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def done(self) -> list[tuple[int, float]]:
+        """(tokens, seconds) of timed steps that completed since the last call."""
+        out, keep = [], []
+        for tokens, begin, end in self._pending:
+            if not self.cuda:
+                out.append((tokens, end - begin))
+            elif end.query():
+                out.append((tokens, begin.elapsed_time(end) / 1e3))
+            else:
+                keep.append((tokens, begin, end))
+        self._pending = keep
+        return out
+
+
 class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
     _cache_hit_source = vllm_api.hit_source("P2P")
 
@@ -146,8 +192,11 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
         self._tables = BlockTables()
         self._disabled = ""
         """Why the worker side moves nothing (a refusal seen after start), or ""."""
+        self._step_timer = StepTimer(self.shape.device == "cuda")
         if role == KVConnectorRole.SCHEDULER:
-            self.sched = SchedulerSide(self.seam, self.cfg, self.block_tokens)
+            self.sched = SchedulerSide(
+                self.seam, self.cfg, self.block_tokens, self.shape.block_bytes
+            )
         self._attach_early()
         log.info("kvdir connector ready", extra={"layout": self.ns.layout, "role": str(role)})
 
@@ -214,7 +263,19 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
             if req is not None:
                 done = cached.num_computed_tokens[i] + n_sched.get(req_id, 0)
                 scheduled[req_id] = (done, req.block_hashes)
-        return KvdirMetadata(self.sched.step(scheduled, self._block_ids(scheduler_output)))
+        step = self.sched.step(scheduled, self._block_ids(scheduler_output))
+        step.tokens = int(scheduler_output.total_num_scheduled_tokens)
+        return KvdirMetadata(step)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        """The workers' measurements reach the pull-cost model here (scheduler side)."""
+        stats = getattr(connector_output, "kv_connector_stats", None)
+        if self.sched is None or not isinstance(stats, KvdirStats):
+            return
+        for nbytes, seconds in stats.data.get("peer_loads", ()):
+            self.sched.cost.observe_load(int(nbytes), float(seconds))
+        for tokens, seconds in stats.data.get("prefill_steps", ()):
+            self.sched.cost.observe_prefill(int(tokens), float(seconds))
 
     def _block_ids(self, scheduler_output: Any) -> Any:
         """Where this step's requests' block tables come from: vLLM's own block
@@ -325,8 +386,25 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
         meta = self._get_connector_metadata()
         return meta.step if isinstance(meta, KvdirMetadata) else None
 
+    def _renew_worker(self) -> None:
+        """The agent replaced the pool file (a new epoch, agent/pool.py): the worker
+        side and its seam are bound to the old one for good. Their unfinished loads
+        are reported failed (vLLM recomputes); a new seam and worker map the new file."""
+        old = self.worker
+        if old is None or not old.seam.stale:
+            return
+        old.close()
+        self._unloaded |= old.finished()
+        self._unloaded_blocks |= old.take_errors()
+        self.worker = None
+        self.seam = AgentSeam(self.cfg, self.ns, self.shape.block_bytes)
+        self._start_worker()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._renew_worker()
         step = self._meta()
+        if step is not None:
+            self._step_timer.start(step.tokens)
         if step is None or not step.loads:
             return
         worker = self._start_worker()
@@ -346,9 +424,14 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return  # saved whole in wait_for_save, after the step's forward
 
     def wait_for_save(self) -> None:
+        self._renew_worker()
         step = self._meta()
         if step is not None and step.saves and self.worker is not None:
             self.worker.save(step.saves)
+        self._step_timer.stop()
+        if self.worker is not None:
+            for tokens, seconds in self._step_timer.done():
+                self.worker.add_prefill_step(tokens, seconds)
 
     def _finished_recving(self) -> set[str]:
         done, self._unloaded = self._unloaded, set()

@@ -13,6 +13,10 @@ from kvdir.agent.vllm.config import CHAIN_BLOCKS_MAX
 
 RECENT_SAVES_MAX = 65_536
 """Hashes this engine saved lately, so a prefix shared in one batch is saved once."""
+COST_WEIGHT = 0.25
+"""Weight of a new sample in the pull-cost averages (about the last 4-8 samples count)."""
+PREFILL_SAMPLE_TOKENS_MIN = 256
+"""A step that computed fewer tokens says little about prefill speed (overheads dominate)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +46,50 @@ class LoadPlan:
     end_block: int
     from_pool: int
     """Blocks of [start_block, end_block) this node's pool is expected to supply."""
+
+    @property
+    def peer_blocks(self) -> int:
+        return self.end_block - self.start_block - self.from_pool
+
+
+@dataclass(slots=True)
+class PullCost:
+    """Whether pulling a prefix from a peer beats recomputing it, from this engine's
+    own measurements: seconds per byte of its peer loads (the whole load: lookup,
+    transfer, copy into vLLM's blocks) and tokens per second of its prefill steps.
+    Until both are measured a pull is always tried (and measured).
+
+    The seed's point: 1 GB over loopback TCP takes longer than a 218 ms recompute
+    on an H200, so such a pull is skipped; over CUDA IPC it wins by far."""
+
+    load_s_per_byte: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+
+    def observe_load(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.load_s_per_byte = _ewma(self.load_s_per_byte, seconds / nbytes)
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= PREFILL_SAMPLE_TOKENS_MIN and seconds > 0:
+            self.prefill_tokens_per_s = _ewma(self.prefill_tokens_per_s, tokens / seconds)
+
+    def pull_wins(self, nbytes: int, tokens: int) -> bool:
+        if not (self.load_s_per_byte and self.prefill_tokens_per_s) or nbytes <= 0:
+            return True
+        return nbytes * self.load_s_per_byte < tokens / self.prefill_tokens_per_s
+
+
+def _ewma(old: float, sample: float) -> float:
+    return sample if old == 0.0 else (1 - COST_WEIGHT) * old + COST_WEIGHT * sample
+
+
+def pool_only(plan: LoadPlan, block_tokens: int) -> LoadPlan:
+    """`plan` without its peer part (what this node's pool supplies is always read)."""
+    end = plan.start_block + plan.from_pool
+    if plan.from_pool == 0:
+        return LoadPlan(0, plan.start_block, plan.start_block, 0)
+    cut = (plan.end_block - end) * block_tokens
+    return LoadPlan(plan.tokens - cut, plan.start_block, end, plan.from_pool)
 
 
 def plan_load(

@@ -20,7 +20,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvdir.agent.vllm.config import ConnectorConfig
-from kvdir.agent.vllm.plan import NOTHING, Found, LoadPlan, SavePlanner, plan_load
+from kvdir.agent.vllm.plan import (
+    NOTHING,
+    Found,
+    LoadPlan,
+    PullCost,
+    SavePlanner,
+    plan_load,
+    pool_only,
+)
 from kvdir.agent.vllm.seam import AgentSeam, AgentUnavailable
 from kvdir.agent.vllm.worker import LoadJob, SaveJob
 
@@ -42,6 +50,8 @@ class StepMeta:
 
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveJob] = field(default_factory=list)
+    tokens: int = 0
+    """Tokens this step computes (the worker times prefill-sized steps for PullCost)."""
 
 
 @dataclass(slots=True)
@@ -49,6 +59,7 @@ class LookupCounts:
     lookups: int = 0
     timeouts: int = 0
     agent_down: int = 0
+    slow_pulls_skipped: int = 0
 
 
 class SchedulerSide:
@@ -57,11 +68,16 @@ class SchedulerSide:
         seam: AgentSeam,
         cfg: ConnectorConfig,
         block_tokens: int,
+        block_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.seam = seam
         self.cfg = cfg
         self.block_tokens = block_tokens
+        self.block_bytes = block_bytes
+        self.cost = PullCost()
+        self._pull_ok: dict[str, bool] = {}
+        """Per request: the pull-vs-recompute decision, taken once, at its first plan."""
         self.clock = clock
         self.counts = LookupCounts()
         self._pool = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kvdir-lookup")
@@ -126,6 +142,15 @@ class SchedulerSide:
             computed_tokens,
             self.cfg.min_load_blocks,
         )
+        if self.cfg.skip_slow_pulls and self.block_bytes and plan.peer_blocks > 0:
+            ok = self._pull_ok.get(req_id)
+            if ok is None:
+                peer = plan.peer_blocks
+                ok = self.cost.pull_wins(peer * self.block_bytes, peer * self.block_tokens)
+                self._pull_ok[req_id] = ok
+                self.counts.slow_pulls_skipped += 0 if ok else 1
+            if not ok:
+                plan = pool_only(plan, self.block_tokens)
         if req_id not in self._plans:
             log.info(
                 "kvdir lookup: request %s, %d blocks, vLLM has %d tokens, pool %d blocks, "
@@ -207,6 +232,7 @@ class SchedulerSide:
         self._found.pop(req_id, None)
         self._pending.pop(req_id, None)
         self._plans.pop(req_id, None)
+        self._pull_ok.pop(req_id, None)
         self._attempted.discard(req_id)
         self.saves.forget(req_id)
 

@@ -11,6 +11,7 @@ vLLM's own vllm:external_prefix_cache_hits:
     kvdir:validation_misses_total       loads cut short by a reused slot
     kvdir:recomputed_blocks_total       promised blocks vLLM recomputed instead
     kvdir:lookups_total, kvdir:lookup_timeouts_total, kvdir:agent_unavailable_total
+    kvdir:slow_pulls_skipped_total      pulls the cost model said lose to recomputing
     kvdir:load_seconds                  histogram, one observation per load
 """
 
@@ -36,8 +37,11 @@ SCALARS = (
     "lookups",
     "lookup_timeouts",
     "agent_unavailable",
+    "slow_pulls_skipped",
 )
 BY_SOURCE = ("loaded_blocks", "loaded_bytes")
+SAMPLES = ("load_seconds", "peer_loads", "prefill_steps")
+"""Per-event lists (the scheduler side's pull-cost model reads peer_loads and prefill_steps)."""
 LOAD_SECONDS_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -51,11 +55,18 @@ def worker_data(s: Stats) -> dict[str, Any]:
         "validation_misses": s.validation_misses,
         "recomputed_blocks": s.recomputed_blocks,
         "load_seconds": list(s.load_seconds),
+        "peer_loads": list(s.peer_loads),
+        "prefill_steps": list(s.prefill_steps),
     }
 
 
 def lookup_data(c: LookupCounts) -> dict[str, Any]:
-    return {"lookups": c.lookups, "lookup_timeouts": c.timeouts, "agent_unavailable": c.agent_down}
+    return {
+        "lookups": c.lookups,
+        "lookup_timeouts": c.timeouts,
+        "agent_unavailable": c.agent_down,
+        "slow_pulls_skipped": c.slow_pulls_skipped,
+    }
 
 
 @dataclass
@@ -65,14 +76,16 @@ class KvdirStats(KVConnectorStats):  # type: ignore[misc]  # vLLM is untyped her
             self.reset()
 
     def reset(self) -> None:
-        self.data: dict[str, Any] = {"loaded_blocks": {}, "loaded_bytes": {}, "load_seconds": []}
+        self.data: dict[str, Any] = {"loaded_blocks": {}, "loaded_bytes": {}}
+        for k in SAMPLES:
+            self.data[k] = []
 
     def is_empty(self) -> bool:
         d = self.data
         return not (
             any(d.get(k) for k in SCALARS)
             or any(d.get(k) for k in BY_SOURCE)
-            or d.get("load_seconds")
+            or any(d.get(k) for k in SAMPLES)
         )
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
@@ -83,7 +96,8 @@ class KvdirStats(KVConnectorStats):  # type: ignore[misc]  # vLLM is untyped her
             mine = self.data.setdefault(k, {})
             for src, n in o.get(k, {}).items():
                 mine[src] = mine.get(src, 0) + n
-        self.data.setdefault("load_seconds", []).extend(o.get("load_seconds", []))
+        for k in SAMPLES:
+            self.data.setdefault(k, []).extend(o.get(k, []))
         return self
 
     def reduce(self) -> dict[str, int | float]:

@@ -124,6 +124,10 @@ class Stats:
     validation_misses: int = 0
     recomputed_blocks: int = 0
     load_seconds: list[float] = field(default_factory=list)
+    peer_loads: list[tuple[int, float]] = field(default_factory=list)
+    """(bytes, seconds) of each load's peer part: what the scheduler side's cost model learns."""
+    prefill_steps: list[tuple[int, float]] = field(default_factory=list)
+    """(tokens, seconds) of forward passes that computed at least a few hundred tokens."""
 
     def add_loaded(self, source: str, blocks: int, nbytes: int) -> None:
         self.loaded_blocks[source] = self.loaded_blocks.get(source, 0) + blocks
@@ -292,6 +296,8 @@ class WorkerSide:
         self._give_back(slots[v:])
         with self._stats_lock:
             self.stats.add_loaded(r.transport or "none", v, r.bytes)
+            if v:
+                self.stats.peer_loads.append((r.bytes, self.clock() - t0))
             if r.invalidated:
                 self.stats.validation_misses += 1
         return trace
@@ -385,6 +391,10 @@ class WorkerSide:
                 continue
             self._give_back(got)
 
+    def add_prefill_step(self, tokens: int, seconds: float) -> None:
+        with self._stats_lock:
+            self.stats.prefill_steps.append((tokens, seconds))
+
     def drain_stats(self) -> Stats:
         with self._stats_lock:
             out, self.stats = self.stats, Stats()
@@ -398,6 +408,13 @@ class WorkerSide:
             self._jobs.put_nowait(None)
         for t in self._threads:
             t.join(2.0)
+        while True:  # loads never started fail: vLLM recomputes them (never waits on them)
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._done.put((job.req_id, list(job.block_ids)))
         self._announce()
         self.copier.close()
         with self._stash_lock:

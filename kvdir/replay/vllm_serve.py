@@ -148,7 +148,9 @@ def connector_config(agent_socket: str, **extra: Any) -> dict[str, Any]:
         "kv_connector_module_path": "kvdir.agent.vllm.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
+        # The demo shows what each path costs: no pull is skipped as slower than recompute.
         "kv_connector_extra_config": {
+            "skip_slow_pulls": False,
             "agent_socket": agent_socket,
             "load_timeout_ms": 30_000,
             **extra,

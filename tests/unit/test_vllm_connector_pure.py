@@ -7,7 +7,16 @@ import pytest
 from kvdir.agent.vllm import compat
 from kvdir.agent.vllm.config import ConnectorConfigError, from_extra
 from kvdir.agent.vllm.namespace import KvShape, namespace
-from kvdir.agent.vllm.plan import NOTHING, BlockTables, Found, SavePlanner, plan_load
+from kvdir.agent.vllm.plan import (
+    NOTHING,
+    BlockTables,
+    Found,
+    LoadPlan,
+    PullCost,
+    SavePlanner,
+    plan_load,
+    pool_only,
+)
 from kvdir.agent.vllm.worker import valid_local
 
 BT = 32
@@ -98,3 +107,33 @@ def test_block_tables_follow_new_appended_and_resumed_requests() -> None:
     assert t.get("a") == [1, 2]
     t.forget("a")
     assert t.get("a") is None
+
+
+def test_a_pull_is_tried_until_both_speeds_are_measured() -> None:
+    cost = PullCost()
+    assert cost.pull_wins(1 << 30, 8192)
+    cost.observe_load(1 << 30, 0.45)  # 1 GB over loopback TCP
+    assert cost.pull_wins(1 << 30, 8192)  # no prefill measured yet
+    cost.observe_prefill(100, 0.001)  # too few tokens to say anything: ignored
+    assert cost.prefill_tokens_per_s == 0.0
+
+
+def test_the_seeds_point_a_slow_pull_loses_to_recompute_a_fast_one_wins() -> None:
+    tcp, ipc = PullCost(), PullCost()
+    for cost, load_s in ((tcp, 0.45), (ipc, 0.012)):
+        cost.observe_load(1 << 30, load_s)  # 1 GB: TCP vs CUDA IPC (H200 figures)
+        cost.observe_prefill(8192, 0.218)  # an 8k prefill in 218 ms
+    assert not tcp.pull_wins(1 << 30, 8192)
+    assert ipc.pull_wins(1 << 30, 8192)
+    # averages follow the engine: TCP twice as fast as it was, pulls win again
+    for _ in range(20):
+        tcp.observe_load(1 << 30, 0.05)
+    assert tcp.pull_wins(1 << 30, 8192)
+
+
+def test_skipping_the_peer_part_keeps_what_this_nodes_pool_holds() -> None:
+    plan = LoadPlan(tokens=64 * 16, start_block=0, end_block=64, from_pool=10)
+    assert plan.peer_blocks == 54
+    kept = pool_only(plan, 16)
+    assert (kept.tokens, kept.end_block, kept.from_pool, kept.peer_blocks) == (160, 10, 10, 0)
+    assert pool_only(LoadPlan(512, 2, 10, 0), 16) == LoadPlan(0, 2, 2, 0)

@@ -41,7 +41,12 @@ def connector_config(agent_socket: str, **extra: Any) -> dict[str, Any]:
         "kv_connector_module_path": "kvdir.agent.vllm.connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"agent_socket": agent_socket, **extra},
+        # Tests and benches measure pulls: the cost model must not skip them.
+        "kv_connector_extra_config": {
+            "agent_socket": agent_socket,
+            "skip_slow_pulls": False,
+            **extra,
+        },
     }
 
 
