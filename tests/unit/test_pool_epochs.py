@@ -195,3 +195,30 @@ def test_owners_survive_reopening(tmp_path: Path) -> None:
         assert again.free_slots == SLOTS - 5
     finally:
         again.close()
+
+
+# ------------------------------------------------------- the agent's reaper
+
+
+def test_the_reaper_frees_only_dead_owners_slots_and_waits_out_a_fetch(tmp_path: Path) -> None:
+    """PoolState.reclaim_dead with liveness injected: a slot a Fetch writes into
+    stays until the fetch ends; a live owner's slots are never touched."""
+    from kvdir.agent.service import PoolState
+    from kvdir.core.client import namespace
+    from kvdir.transfer.base import Region
+
+    pool = KvPool.open(str(tmp_path / "pool"), NS_KEY, SLOT_BYTES, SLOTS)
+    try:
+        state = PoolState(namespace("unit-model", 16), pool, Region(0, 0, 0), 0)
+        dead, live = Owner(11, 111), Owner(22, 222)
+        dead_slots = sorted(s for s, _ in pool.allocate(4, dead))
+        live_slots = sorted(s for s, _ in pool.allocate(2, live))
+        state.fetching.update(dead_slots[:1])
+        assert state.reclaim_dead(lambda o: o == live) == 3
+        assert pool.allocated_by_owner() == {dead: dead_slots[:1], live: live_slots}
+        del state.fetching[dead_slots[0]]
+        assert state.reclaim_dead(lambda o: o == live) == 1
+        assert pool.allocated_by_owner() == {live: live_slots}
+        assert state.reclaim_dead(lambda o: o == live) == 0
+    finally:
+        pool.close()
