@@ -168,6 +168,8 @@ class Replica(DurableSyncObj):
         self._next_keepalive = 0.0
         self._reject_floor: int | None = None
         self._proven_end: int | None = None
+        self._voters: dict[Any, set[Any]] = {}
+        """The peers whose vote answers were counted, by term (the current one only)."""
         """While a message is handled, the last index a success answer may claim: what
         an append proves (`AppendPlan.proven_end`), or an installed snapshot's index."""
         transport = with_framing(hooks.transport_class)
@@ -246,6 +248,15 @@ class Replica(DurableSyncObj):
     def _on_message(self, node: Any, message: Any) -> None:
         if isinstance(message, dict) and message.get("type") == _KEEPALIVE["type"]:
             return
+        if isinstance(message, dict) and message.get("type") == "response_vote":
+            # pysyncobj counts vote answers, not voters: one answer delivered twice
+            # (the seeded simulator duplicates messages) made a leader of a minority.
+            voters = self._voters.setdefault(message.get("term"), set())
+            if node in voters:
+                return
+            if len(self._voters) > 1:  # only the current election's answers matter
+                self._voters = {message.get("term"): voters}
+            voters.add(node)
         if isinstance(message, dict) and message.get("type") == "append_entries":
             # A middle chunk whose first one never came (lost, or we restarted) would
             # fail in pysyncobj; the leader sends the entry again from its start.

@@ -8,6 +8,8 @@ hands to its message handler, on its own Raft thread, so every step is exact.
   matching or committed one, and answers only for what an append proved.
 - Hole 2: a restart between a compaction's dump rename and its log trim keeps
   the entries after the dump; an older dump never replaces a newer one.
+- Found by the seeded simulator on the way: a snapshot message never commits
+  a follower's unproven entries, and a vote answer delivered twice counts once.
 """
 
 from __future__ import annotations
@@ -209,6 +211,32 @@ def test_a_snapshot_install_keeps_the_log_after_it_but_commits_only_the_snapshot
         assert r.raftCommitIndex == 4 and r.raftLastApplied == 4
         assert sent[-1]["success"] and sent[-1]["next_node_idx"] == 5
         assert r.dump_index == 4
+
+
+def test_a_vote_answer_delivered_twice_counts_once(tmp_path: Path) -> None:
+    """pysyncobj counted answers, not voters (found by the seeded simulator)."""
+    me, *peers = (f"127.0.0.1:{p}" for p in free_ports(5))
+    r = Replica(me, peers, str(tmp_path), RaftTuning(), None, "", False, None, me)
+    try:
+        r.waitBinded()
+        raft = RaftThread(r)
+        a, b = sorted(r.otherNodes, key=lambda n: n.address)[:2]
+
+        def campaign() -> None:  # what pysyncobj does when its election timer fires
+            r._SyncObj__setState(1)  # CANDIDATE
+            r._SyncObj__setCurrentTerm(3, r.selfNode.id)
+            r._SyncObj__votesCount = 1
+
+        raft.run(campaign)
+        vote = {"type": "response_vote", "term": 3}
+        raft.run(lambda: r._SyncObj__onMessageReceived(a, vote))
+        raft.run(lambda: r._SyncObj__onMessageReceived(a, vote))  # the same answer again
+        assert r.role() == 1  # two of five, not three
+        raft.run(lambda: r._SyncObj__onMessageReceived(b, vote))
+        assert r.role() == 2  # three of five
+    finally:
+        r.destroy()
+        wait_for(lambda: not r.tick_thread_alive(), WAIT_S, "the Raft thread to stop")
 
 
 # ------------------------------------------------------------------ hole 2
