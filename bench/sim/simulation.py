@@ -403,10 +403,10 @@ class Simulation:
         self.net.heal()
         self.net.faults = NetFaults()
         self._note("heal: network whole and clean, every replica restarted")
-        for addr in sorted(self.members.members):
-            if not self.seats[addr].up:
-                self._start(addr)
         for _ in range(HEAL_STEPS_MAX):
+            for addr in sorted(self.members.members):  # a change settled late adds one
+                if not self.seats[addr].up:
+                    self._start(addr)
             self._step(faults=False)
             if self._converged():
                 break
