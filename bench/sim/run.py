@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 from bench.sim.simulation import Result, run_seed
@@ -73,16 +74,25 @@ def _progress(results: list[Result], wall: float) -> str:
     )
 
 
+CHECKOUT = Path(__file__).resolve().parents[2]
+
+
 def _commit() -> str:
+    """The checkout's commit ("+dirty" if the simulator or the product differ from it)."""
     try:
         out = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=CHECKOUT,
         )
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--", "directory", "bench/sim"],
             capture_output=True,
             text=True,
             check=True,
+            cwd=CHECKOUT,
         )
         return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):

@@ -171,3 +171,11 @@ def test_power_loss_keeps_synced_bytes_and_a_prefix_of_the_rest(tmp_path: str) -
         kept = f.read()
     assert kept.startswith(b"synced") and b"synced-tail".startswith(kept)
     assert sorted(n for n in os.listdir(d.dir) if not n.startswith(".")) == ["log"]
+
+
+def test_the_command_runs_seeds_and_says_how_fast(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvdir.cli import main
+
+    assert main(["sim", "--seeds", "2", "--steps", "150", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "2 seeds" in out and "steps/s" in out and "failed: 0" in out
