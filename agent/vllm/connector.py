@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +38,11 @@ from kvdir.agent.vllm.config import (
     from_extra,
 )
 from kvdir.agent.vllm.namespace import KvShape, NamespaceError, dtype_name, namespace
-from kvdir.agent.vllm.plan import PREFILL_SAMPLE_TOKENS_MIN, BlockTables
+from kvdir.agent.vllm.plan import BlockTables
 from kvdir.agent.vllm.scheduler import SchedulerSide, StepMeta
 from kvdir.agent.vllm.seam import AgentSeam, AgentUnavailable
 from kvdir.agent.vllm.stats import KvdirPromMetrics, KvdirStats, lookup_data, worker_data
+from kvdir.agent.vllm.step_timer import StepTimer
 from kvdir.agent.vllm.worker import Mover, WorkerSide
 
 log = logging.getLogger("kvdir.vllm")
@@ -60,8 +60,6 @@ def _log_like_vllm() -> None:
 _log_like_vllm()
 
 UNSEEDED_ALGOS = ("xxhash", "xxhash_cbor")
-STEP_TIMINGS_MAX = 64
-"""Timed forward passes not yet completed that a worker keeps (past this it times none)."""
 
 
 @dataclass
@@ -118,49 +116,6 @@ def _model_name(cfg: ConnectorConfig, vllm_config: Any) -> str:
     if isinstance(served, (list, tuple)):
         served = served[0] if served else ""
     return str(served or vllm_config.model_config.model)
-
-
-class StepTimer:
-    """Times forward passes that compute a prefill-sized batch (the pull-cost model's
-    recompute speed): wall time on CPU, CUDA events on the engine's stream (read once
-    they completed, never waited on)."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-        self._open: tuple[int, Any] | None = None
-        self._pending: list[tuple[int, Any, Any]] = []
-
-    def start(self, tokens: int) -> None:
-        self._open = None
-        if tokens < PREFILL_SAMPLE_TOKENS_MIN or len(self._pending) >= STEP_TIMINGS_MAX:
-            return
-        self._open = (tokens, self._mark())
-
-    def stop(self) -> None:
-        if self._open is not None:
-            tokens, begin = self._open
-            self._pending.append((tokens, begin, self._mark()))
-            self._open = None
-
-    def _mark(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        ev = torch.cuda.Event(enable_timing=True)
-        ev.record()
-        return ev
-
-    def done(self) -> list[tuple[int, float]]:
-        """(tokens, seconds) of timed steps that completed since the last call."""
-        out, keep = [], []
-        for tokens, begin, end in self._pending:
-            if not self.cuda:
-                out.append((tokens, end - begin))
-            elif end.query():
-                out.append((tokens, begin.elapsed_time(end) / 1e3))
-            else:
-                keep.append((tokens, begin, end))
-        self._pending = keep
-        return out
 
 
 class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
