@@ -326,6 +326,7 @@ class EngineClient:
             timeout_ms=timeout_ms,
             skip_blocks=skip_blocks,
             epoch=pool.epoch,
+            pid=self.pid,
         )
         # The agent's own deadline comes first; ours only covers the local hop.
         resp = self._call("Fetch", req, (timeout_ms / 1000 + 1.0) if timeout_ms else None)

@@ -337,6 +337,25 @@ class KvPool:
         del rows, table  # drop the exports of the mapping
         return out
 
+    def held_by(self, slots: Sequence[int], owner: Owner) -> bool:
+        """Every slot is ALLOCATED to `owner` (vectorized: checked on every fetch)."""
+        import numpy as np
+
+        g = self.geometry
+        if not slots:
+            return True
+        idx = np.asarray(slots, np.int64)
+        if int(idx.min()) < 0 or int(idx.max()) >= g.slots:
+            return False
+        table = self.view[g.header_offset : g.header_offset + g.slots * HEADER_BYTES]
+        rows = np.frombuffer(table, np.uint8).reshape(g.slots, HEADER_BYTES)[idx]
+        del table  # `rows` is a copy (fancy indexing): drop the export at once
+        pids = rows[:, OWNER_OFFSET : OWNER_OFFSET + 4].copy().view("<u4")[:, 0]
+        ticks = rows[:, OWNER_OFFSET + 8 : HEADER_BYTES].copy().view("<u8")[:, 0]
+        return bool(
+            ((rows[:, 8] == ALLOCATED) & (pids == owner.pid) & (ticks == owner.start_ticks)).all()
+        )
+
     def reclaim(self, slots: Sequence[int], owner: Owner) -> list[int]:
         """Free the slots `owner` (gone) still holds allocated; generation bumped first.
 
@@ -369,10 +388,19 @@ class KvPool:
         _STATE.pack_into(self.view, off + 8, STORED)
         return True
 
-    def evict(self, slot: int) -> int:
-        """The slot no longer holds its block (it stays allocated); returns the new gen."""
+    def evict(self, slot: int, owner: Owner | None = None) -> int:
+        """The slot no longer holds its block (it stays allocated); returns the new gen.
+
+        `owner`: who holds it now (the agent handing it out), recorded with the
+        bump under the allocation lock, so the reaper never sees it allocated
+        under a previous, dead owner.
+        """
         self.check_slot(slot)
-        return self._bump(slot, ALLOCATED)
+        if owner is None:
+            return self._bump(slot, ALLOCATED)
+        with self._lock:
+            self._set_owner(slot, owner)
+            return self._bump(slot, ALLOCATED)
 
     def stored(self) -> Iterator[tuple[int, SlotHeader]]:
         """Every slot in STORED state (the node's holdings, for a full re-publish)."""

@@ -24,7 +24,7 @@ import grpc
 from kvdir.agent.fetcher import Fetcher, FetchError
 from kvdir.agent.gpu_pool import GpuTier
 from kvdir.agent.metrics import AgentMetrics
-from kvdir.agent.owners import Owner, alive, owner_of
+from kvdir.agent.owners import NO_OWNER, Owner, alive, owner_of
 from kvdir.agent.pool import STALE_EPOCH, STORED, KvPool, PoolError, SlotHeader
 from kvdir.agent.publisher import Publisher
 from kvdir.core.security import current_identity
@@ -83,7 +83,7 @@ class PoolState:
             for s in slots:
                 self.recency.pop(s, None)
 
-    def evict_lru(self, count: int) -> list[tuple[int, SlotHeader]]:
+    def evict_lru(self, count: int, owner: Owner = NO_OWNER) -> list[tuple[int, SlotHeader]]:
         """Take up to `count` least recently used stored slots back for rewriting.
 
         Each slot's generation is bumped *before* it is handed out, so a reader
@@ -96,7 +96,7 @@ class PoolState:
                 before = self.pool.header(slot)
                 if before.state != STORED:
                     continue
-                self.pool.evict(slot)
+                self.pool.evict(slot, owner)
                 if self.index.get(before.block_hash) == slot:
                     del self.index[before.block_hash]
                 out.append((slot, before))
@@ -126,9 +126,9 @@ class PoolState:
         for owner, slots in self.pool.allocated_by_owner().items():
             if is_alive(owner):
                 continue
-            with self.lock:
+            with self.lock:  # no Fetch starts into these slots while they are freed
                 idle = [s for s in slots if not self.fetching[s]]
-            got = self.pool.reclaim(idle, owner)
+                got = self.pool.reclaim(idle, owner)
             self.forget(got)
             if got:
                 log.info(
@@ -304,9 +304,8 @@ class EngineService(apb_grpc.EngineServicer):
         """Free slots first, then least recently used blocks; may return fewer."""
         got = state.pool.allocate(min(count, state.pool.free_slots), owner)
         if len(got) < count:
-            evicted = state.evict_lru(count - len(got))
+            evicted = state.evict_lru(count - len(got), owner)
             if evicted:
-                state.pool.set_owner([s for s, _ in evicted], owner)
                 self._publish_removed(state, evicted)
                 got += [(s, state.pool.header(s).generation) for s, _ in evicted]
                 self.core.metrics.pool_evictions.inc(len(evicted))
@@ -454,7 +453,14 @@ class EngineService(apb_grpc.EngineServicer):
                 context, grpc.StatusCode.INVALID_ARGUMENT, f"chain over {CHAIN_BLOCKS_MAX} blocks"
             )
         timeout = request.timeout_ms / 1000 if request.timeout_ms else None
-        with state.lock:
+        owner = owner_of(request.pid) if request.pid else None
+        with state.lock:  # the reaper decides under this lock too: one or the other wins
+            if owner is not None and not state.pool.held_by(slots, owner):
+                _abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "fetch into slots this engine does not hold (reserve them with Allocate)",
+                )
             state.fetching.update(slots)
         try:
             r = self.core.fetcher.fetch(

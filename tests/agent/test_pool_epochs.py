@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdir.agent.engine_client import EngineClient, PoolChanged
+from kvdir.agent.engine_client import EngineClient, EngineError, PoolChanged
 from kvdir.agent.pool import ALLOCATED, FREE, Geometry, KvPool, read_superblock
 from kvdir.agent.vllm.config import ConnectorConfig
 from kvdir.agent.vllm.seam import AgentSeam, AgentUnavailable
@@ -299,3 +299,23 @@ def test_slots_of_an_engine_that_died_while_the_agent_was_down_come_back(
             view.close()
     finally:
         _kill(proc)
+
+
+@pytest.mark.timeout(120)
+def test_a_fetch_into_slots_the_caller_does_not_hold_is_refused(solo: LocalAgent) -> None:
+    """Another engine's reservation, or a free slot (a dead engine's, reclaimed):
+    a fetch must not write there (a late fetch of a dead engine would otherwise
+    land in slots handed to someone else)."""
+    engine = EngineClient(solo.engine_socket)
+    proc, theirs, _ = _holder(solo, 3)
+    try:
+        chain = chain_of(2805, 3)
+        mine = engine.allocate(NS, 3).slots
+        free = sorted(set(range(SLOTS)) - set(mine) - set(theirs))[:3]
+        for slots in (theirs, free, [mine[0], theirs[0], mine[1]]):
+            with pytest.raises(EngineError, match="does not hold"):
+                engine.fetch(NS, chain, slots)
+        assert engine.fetch(NS, chain, mine).valid_blocks == 0  # held: served (a miss)
+    finally:
+        _kill(proc)
+        engine.close()

@@ -696,6 +696,7 @@ class FetchRequest(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     SKIP_BLOCKS_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
     timeout_ms: _builtins.int
     """0 = agent default"""
     skip_blocks: _builtins.int
@@ -704,6 +705,11 @@ class FetchRequest(_message.Message):
     counts from skip_blocks too.
     """
     epoch: _builtins.int
+    pid: _builtins.int
+    """The caller's pid (AttachRequest.pid): every slot must be one it holds
+    allocated, else the request is refused (a late fetch of an engine that
+    died never writes into slots handed to another). 0: not checked.
+    """
     @_builtins.property
     def namespace(self) -> _directory_pb2.Namespace: ...
     @_builtins.property
@@ -723,10 +729,11 @@ class FetchRequest(_message.Message):
         timeout_ms: _builtins.int = ...,
         skip_blocks: _builtins.int = ...,
         epoch: _builtins.int = ...,
+        pid: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "epoch", b"epoch", "namespace", b"namespace", "skip_blocks", b"skip_blocks", "slots", b"slots", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "epoch", b"epoch", "namespace", b"namespace", "pid", b"pid", "skip_blocks", b"skip_blocks", "slots", b"slots", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
