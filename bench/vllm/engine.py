@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 from dataclasses import dataclass
+from typing import Any
 
 from bench.vllm.model import BLOCK_TOKENS
-from tests.vllm.engines import REPO, Engine, EngineError, vllm_python
+from tests.vllm.engines import Engine, vllm_python
 
 START_TIMEOUT_S = 1500.0
 """Four engines starting at once on a loaded 2-core host took over 8 minutes here."""
@@ -20,36 +18,19 @@ KV_CACHE_GIB = 2
 class BenchEngine(Engine):
     model_name: str = ""
     max_model_len: int = 0
+    start_timeout_s: float = START_TIMEOUT_S
 
-    def wait_ready(self) -> None:
-        ready = self._read(START_TIMEOUT_S)
-        if not ready.get("ready"):
-            raise EngineError(f"engine {self.name} did not start: {ready}")
-        self.ready = True
-
-    def launch(self) -> None:
-        cfg = {
+    def driver_config(self) -> dict[str, Any]:
+        return {
             "model_dir": self.model_dir,
             "model_name": self.model_name,
             "block_tokens": BLOCK_TOKENS,
             "max_model_len": self.max_model_len,
             "kv_transfer_config": self.kv_transfer_config,
         }
-        env = dict(os.environ)
-        env.update(
-            PYTHONPATH=str(REPO),
-            VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
-            VLLM_CPU_OMP_THREADS_BIND="nobind",
-            VLLM_LOGGING_LEVEL="INFO",
-            **self.env,
-        )
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [str(vllm_python()), "-m", "bench.vllm.driver", json.dumps(cfg)],
-                cwd=str(REPO),
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                start_new_session=True,
-            )
+
+    def driver_env(self) -> dict[str, str]:
+        return {**super().driver_env(), "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}
+
+    def command(self) -> list[str]:
+        return [str(vllm_python()), "-m", "bench.vllm.driver"]

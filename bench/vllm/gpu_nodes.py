@@ -17,18 +17,19 @@ it profiles; a neighbour starting at the same time would skew that).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+from bench.vllm.model import write_llama_config
 from kvdir.agent.config import AgentConfig, PoolConfig
 from kvdir.agent.daemon import AgentDaemon
 from kvdir.core.client import namespace
 from kvdir.local import LOOPBACK, LocalAgent, LocalCluster, free_ports
 from kvdir.v1 import directory_pb2 as pb
-from tests.vllm.engines import REPO, Engine, EngineError, connector_config
+from tests.vllm.engines import REPO, Engine, connector_config
 
 BLOCK_TOKENS = 16
 """FlashAttention's block size (vLLM's CUDA default)."""
@@ -84,29 +85,15 @@ class GpuShape:
         )
 
     def write(self, path: str, max_len: int) -> str:
-        os.makedirs(path, exist_ok=True)
-        cfg = {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": self.hidden,
-            "intermediate_size": self.mlp,
-            "num_hidden_layers": self.layers,
-            "num_attention_heads": self.heads,
-            "num_key_value_heads": self.kv_heads,
+        dims = {
+            "layers": self.layers,
+            "hidden": self.hidden,
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
             "head_dim": self.head_dim,
-            "vocab_size": self.vocab,
-            "max_position_embeddings": max_len,
-            "rms_norm_eps": 1e-5,
-            "torch_dtype": "bfloat16",
-            "tie_word_embeddings": False,
-            "bos_token_id": 1,
-            "eos_token_id": 2,
-            "rope_theta": 500000.0,
-            "hidden_act": "silu",
+            "mlp": self.mlp,
         }
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(cfg, f)
-        return path
+        return write_llama_config(path, dims, max_len, self.vocab, rope_theta=500000.0)
 
 
 SHAPES = {
@@ -123,11 +110,10 @@ class GpuEngine(Engine):
     model_name: str = ""
     max_model_len: int = 0
     llm_kwargs: dict[str, object] = field(default_factory=dict)
+    start_timeout_s: float = START_TIMEOUT_S
 
-    def launch(self) -> None:
-        import subprocess
-
-        cfg = {
+    def driver_config(self) -> dict[str, Any]:
+        return {
             "model_dir": self.model_dir,
             "model_name": self.model_name,
             "block_tokens": BLOCK_TOKENS,
@@ -135,32 +121,19 @@ class GpuEngine(Engine):
             "kv_transfer_config": self.kv_transfer_config,
             "llm_kwargs": self.llm_kwargs,
         }
-        env = dict(os.environ)
-        paths = [str(REPO), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]]
-        env.update(
-            PYTHONPATH=os.pathsep.join(paths),
-            PYTHONHASHSEED="0",
-            VLLM_USE_FLASHINFER_SAMPLER="0",
-            VLLM_LOGGING_LEVEL="INFO",
-            **NCCL_SAFE,
-            **self.env,
-        )
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "bench.vllm.driver", json.dumps(cfg)],
-                cwd=str(REPO),
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=log,
-                start_new_session=True,
-            )
 
-    def wait_ready(self) -> None:
-        ready = self._read(START_TIMEOUT_S)
-        if not ready.get("ready"):
-            raise EngineError(f"engine {self.name} did not start: {ready}")
-        self.ready = True
+    def driver_env(self) -> dict[str, str]:
+        paths = [str(REPO), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+        return {
+            "PYTHONPATH": os.pathsep.join(paths),
+            "PYTHONHASHSEED": "0",
+            "VLLM_USE_FLASHINFER_SAMPLER": "0",
+            "VLLM_LOGGING_LEVEL": "INFO",
+            **NCCL_SAFE,
+        }
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "bench.vllm.driver"]
 
 
 @dataclass

@@ -58,30 +58,50 @@ class Shape:
         )
 
 
-def write_model(shape: Shape, path: str, max_len: int) -> str:
+def write_llama_config(
+    path: str,
+    dims: dict[str, int],
+    max_len: int,
+    vocab: int = VOCAB,
+    rope_theta: float = 10000.0,
+) -> str:
+    """A Llama config.json in `path` (random weights: load_format="dummy"). `dims`:
+    layers, hidden, heads, kv_heads, head_dim, mlp."""
     os.makedirs(path, exist_ok=True)
     cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": shape.hidden,
-        "intermediate_size": shape.intermediate,
-        "num_hidden_layers": shape.layers,
-        "num_attention_heads": shape.heads,
-        "num_key_value_heads": shape.kv_heads,
-        "head_dim": shape.head_dim,
-        "vocab_size": VOCAB,
+        "hidden_size": dims["hidden"],
+        "intermediate_size": dims["mlp"],
+        "num_hidden_layers": dims["layers"],
+        "num_attention_heads": dims["heads"],
+        "num_key_value_heads": dims["kv_heads"],
+        "head_dim": dims["head_dim"],
+        "vocab_size": vocab,
         "max_position_embeddings": max_len,
         "rms_norm_eps": 1e-5,
         "torch_dtype": "bfloat16",
         "tie_word_embeddings": False,
         "bos_token_id": 1,
         "eos_token_id": 2,
-        "rope_theta": 10000.0,
+        "rope_theta": rope_theta,
         "hidden_act": "silu",
     }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
     return path
+
+
+def write_model(shape: Shape, path: str, max_len: int) -> str:
+    dims = {
+        "layers": shape.layers,
+        "hidden": shape.hidden,
+        "heads": shape.heads,
+        "kv_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
+        "mlp": shape.intermediate,
+    }
+    return write_llama_config(path, dims, max_len)
 
 
 def pool_spec(shape: Shape, slots: int) -> str:

@@ -71,8 +71,11 @@ class Engine:
         self.launch()
         self.wait_ready()
 
-    def launch(self) -> None:
-        cfg = {
+    start_timeout_s: float = START_TIMEOUT_S
+
+    def driver_config(self) -> dict[str, Any]:
+        """The engine driver's JSON argument (what vLLM engine to build)."""
+        return {
             "model_dir": self.model_dir,
             "model_name": MODEL_NAME,
             "block_tokens": BLOCK_TOKENS,
@@ -80,17 +83,24 @@ class Engine:
             "kv_transfer_config": self.kv_transfer_config,
             "lora_dir": self.lora_dir,
         }
-        env = dict(os.environ)
-        env.update(
-            PYTHONPATH=str(REPO),
-            VLLM_CPU_KVCACHE_SPACE="1",
-            VLLM_CPU_OMP_THREADS_BIND="nobind",
-            VLLM_LOGGING_LEVEL="INFO",
-            **self.env,
-        )
+
+    def driver_env(self) -> dict[str, str]:
+        """Variables set for the driver on top of this process's environment."""
+        return {
+            "PYTHONPATH": str(REPO),
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+            "VLLM_LOGGING_LEVEL": "INFO",
+        }
+
+    def command(self) -> list[str]:
+        return [str(vllm_python()), "-m", "tests.vllm.engine_driver"]
+
+    def launch(self) -> None:
+        env = {**os.environ, **self.driver_env(), **self.env}
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [str(vllm_python()), "-m", "tests.vllm.engine_driver", json.dumps(cfg)],
+                [*self.command(), json.dumps(self.driver_config())],
                 cwd=str(REPO),
                 env=env,
                 stdin=subprocess.PIPE,
@@ -100,7 +110,7 @@ class Engine:
             )
 
     def wait_ready(self) -> None:
-        ready = self._read(START_TIMEOUT_S)
+        ready = self._read(self.start_timeout_s)
         if not ready.get("ready"):
             raise EngineError(f"engine {self.name} did not start: {ready}")
         self.ready = True
