@@ -488,6 +488,7 @@ def _retire(path: str) -> None:
 def _create(path: str, geo: Geometry, ns: bytes) -> SharedMemory:
     """A new pool file of a new epoch, renamed over `path` (never truncated in place:
     an engine may still map the old one)."""
+    _remove_leftovers(path)
     tmp = f"{path}.new-{os.getpid()}"
     mem = SharedMemory.create(tmp, geo.size)
     try:
@@ -511,6 +512,18 @@ def _create(path: str, geo: Geometry, ns: bytes) -> SharedMemory:
         raise
     mem.path = path
     return mem
+
+
+def _remove_leftovers(path: str) -> None:
+    """Unlink half-made pool files of agents that died while creating one."""
+    head = os.path.basename(path) + ".new-"
+    folder = os.path.dirname(path) or "."
+    with contextlib.suppress(OSError):
+        for name in os.listdir(folder):
+            pid = name.removeprefix(head)
+            if name.startswith(head) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(folder, name))
 
 
 def _new_epoch() -> int:

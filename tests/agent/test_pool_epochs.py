@@ -44,6 +44,7 @@ from tests.agent.helpers import (
 
 pytestmark = pytest.mark.integration
 
+REPO_ROOT = str(Path(__file__).resolve().parents[2])
 BIGGER_SPEC = f"model={MODEL},block_tokens={BLOCK_TOKENS},slot_bytes={SLOT_BYTES * 2},slots=8"
 """Another shape: a file smaller than the old one (8 x 128 KiB < 128 x 64 KiB)."""
 
@@ -232,7 +233,7 @@ def _holder(agent: LocalAgent, count: int) -> tuple[subprocess.Popen[str], list[
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        cwd=os.getcwd(),
+        cwd=REPO_ROOT,  # the holder imports tests.agent.helpers
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()

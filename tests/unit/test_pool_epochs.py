@@ -95,6 +95,18 @@ def test_an_engine_view_of_the_new_file_sees_the_new_epoch(tmp_path: Path) -> No
         new.close()
 
 
+def test_a_half_made_pool_file_of_a_dead_agent_is_removed(tmp_path: Path) -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=30)
+    mine = tmp_path / f"pool.new-{os.getppid()}"  # a live process's: left alone
+    dead = tmp_path / f"pool.new-{child.pid}"
+    for f in (mine, dead):
+        f.write_bytes(b"half")
+    KvPool.open(str(tmp_path / "pool"), NS_KEY, SLOT_BYTES, SLOTS).close()
+    assert sorted(os.listdir(tmp_path)) == sorted(["pool", mine.name])
+    assert mine.read_bytes() == b"half"
+
+
 def test_a_retired_file_is_never_attached_again(tmp_path: Path) -> None:
     """An agent that finds a retired file (it crashed mid-replace) starts a new epoch."""
     path = str(tmp_path / "pool")
