@@ -234,3 +234,27 @@ def test_the_reaper_frees_only_dead_owners_slots_and_waits_out_a_fetch(tmp_path:
         assert state.reclaim_dead(lambda o: o == live) == 0
     finally:
         pool.close()
+
+
+def test_the_engine_library_never_maps_a_file_other_than_the_one_described(
+    tmp_path: Path,
+) -> None:
+    """The file replaced between the agent's Attach answer and the mapping: refused."""
+    from kvdir.agent.engine_client import PoolChanged, _AttachedPool
+    from kvdir.v1 import agent_pb2 as apb
+
+    path = str(tmp_path / "pool")
+    agent = KvPool.open(path, NS_KEY, SLOT_BYTES, SLOTS)
+    try:
+        good = apb.PoolInfo(path=path, slot_bytes=SLOT_BYTES, slots=SLOTS, epoch=agent.epoch)
+        mapped = _AttachedPool(good)
+        assert mapped.current() and mapped.pool.epoch == agent.epoch
+        mapped.pool.close()
+        for info in (
+            apb.PoolInfo(path=path, slot_bytes=SLOT_BYTES, slots=SLOTS, epoch=agent.epoch ^ 1),
+            apb.PoolInfo(path=path, slot_bytes=SLOT_BYTES, slots=SLOTS * 2, epoch=agent.epoch),
+        ):
+            with pytest.raises(PoolChanged):
+                _AttachedPool(info)
+    finally:
+        agent.close()
