@@ -94,6 +94,11 @@ class DurableSyncObj(SyncObj):  # type: ignore[misc]
         self.dump_index = 0
         """The last entry of the dump in place; set by the deserializer, `publish_dump`."""
         self.dumps_discarded = 0
+        self._membership_replayed = False
+        """Whether the first tick (after the dump, if any, loaded) replayed the log's
+        membership changes: a member uses the latest membership in its log, but
+        pysyncobj makes those past the snapshot only as it applies them, and after a
+        power cut of every member the commit index it stored may be behind them."""
         journal.on_failure = stop_on_journal_failure
         journal.commit_waits_for_sync = lambda: self._SyncObj__raftState == _LEADER
         path = os.path.join(data_dir, LOG_FILE)
@@ -105,6 +110,10 @@ class DurableSyncObj(SyncObj):  # type: ignore[misc]
     def _onTick(self, timeToWait: float = 0.0) -> None:  # noqa: N802, N803 (pysyncobj's names)
         self._kvdir_acks.release()  # what the last poll appended, then the answers it earned
         super()._onTick(timeToWait)
+        if not self._membership_replayed and not self._SyncObj__needLoadDumpFile:
+            self._membership_replayed = True
+            applied = int(self._SyncObj__raftLastApplied)
+            self._reapply_membership([e for e in self.kvdir_journal.log.entries if e[1] > applied])
 
     def _checkCommandsToApply(self) -> None:  # noqa: N802
         super()._checkCommandsToApply()
