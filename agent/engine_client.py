@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvdir.agent.pool import STALE_EPOCH, STORED, Geometry, KvPool, fits, read_superblock
+from kvdir.agent.pool import STALE_EPOCH, STORED, Geometry, KvPool
+from kvdir.agent.pool_file import fits, read_superblock
 from kvdir.core.wire import namespace_key
 from kvdir.transfer.memory import SharedMemory
 from kvdir.v1 import agent_pb2 as apb

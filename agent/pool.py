@@ -2,9 +2,7 @@
 
 Layout of the pool file (all little-endian)::
 
-    page 0        superblock: magic, version, slot_bytes, slots, offsets,
-                  namespace length; at 48 the epoch (u64), at 56 the retired
-                  flag (u32); at 64 the namespace (JSON)
+    page 0        superblock (agent/pool_file.py): shape, epoch, namespace
     headers       `slots` x 64-byte slot headers
     data          `slots` x `slot_bytes`, page-aligned
 
@@ -24,47 +22,51 @@ The file persists across agent restarts (the engine keeps its KV mapped): a
 restarted agent re-attaches, scans the headers and re-publishes what is
 stored.
 
-Epochs. One pool file is one incarnation of the pool, named by a random
-64-bit epoch in its superblock; the agent hands it to engines in every
-answer. A file is never re-initialised in place: a pool of another shape (or
-one that must start empty) is a new file renamed over the old path, and the
-old file's superblock is marked retired first. An engine still mapping the
-old file therefore keeps valid pages (no SIGBUS, whatever the new shape) that
-nobody else writes, sees `retired` or an answer's new epoch, and attaches
-again. Slot numbers and generations mean something only within one epoch.
+The superblock, the file's epoch and how a pool file is created, attached
+and retired: agent/pool_file.py. Slot numbers and generations mean something
+only within one epoch.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import mmap
-import os
-import secrets
 import struct
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from kvdir.agent.owners import NO_OWNER, Owner
+from kvdir.agent.pool_file import (
+    HEADER_BYTES,
+    Geometry,
+    PoolError,
+    attach,
+    create,
+    encode_namespace,
+    epoch_of,
+    retired_of,
+)
 from kvdir.core.wire import HASH_BYTES_MAX
-from kvdir.transfer.memory import PAGE_BYTES, SharedMemory, buffer_address
+from kvdir.transfer.memory import SharedMemory, buffer_address
 
-MAGIC = b"KVDPOOL\x01"
-VERSION = 2
-HEADER_BYTES = 64
+__all__ = [
+    "ALLOCATED",
+    "FREE",
+    "HEADER_BYTES",
+    "STALE_EPOCH",
+    "STORED",
+    "Geometry",
+    "KvPool",
+    "PoolError",
+    "SlotHeader",
+    "read_header",
+    "valid_prefix",
+]
 
 FREE = 0
 ALLOCATED = 1
 STORED = 2
 
-_SUPER = struct.Struct("<8sIQIQQI")  # magic, version, slot_bytes, slots, hdr off, data off, ns len
-_EPOCH = struct.Struct("<Q")
-_RETIRED = struct.Struct("<I")
-EPOCH_OFFSET = 48
-RETIRED_OFFSET = 56
-NAMESPACE_OFFSET = 64
-assert _SUPER.size <= EPOCH_OFFSET and RETIRED_OFFSET + _RETIRED.size <= NAMESPACE_OFFSET
 _HDR = struct.Struct("<QBB6x32s16x")
 _HDR_STATE = struct.Struct("<QBB6x32s")  # a header less its owner (writes keep the owner)
 _OWNER = struct.Struct("<I4xQ")
@@ -77,10 +79,6 @@ _HASH = struct.Struct("<B6x32s")
 assert _HDR.size == HEADER_BYTES
 
 
-class PoolError(ValueError):
-    pass
-
-
 STALE_EPOCH = "pool epoch changed"
 """Leads the agent's FAILED_PRECONDITION answer to a request naming slots of another
 epoch; the engine library recognises it (one definition for both sides)."""
@@ -91,27 +89,6 @@ class SlotHeader:
     generation: int
     state: int
     block_hash: bytes
-
-
-@dataclass(frozen=True, slots=True)
-class Geometry:
-    slot_bytes: int
-    slots: int
-    header_offset: int
-    data_offset: int
-    size: int
-
-    @classmethod
-    def of(cls, slot_bytes: int, slots: int) -> Geometry:
-        if slot_bytes <= 0 or slots <= 0:
-            raise PoolError("slot_bytes and slots must be > 0")
-        header_offset = PAGE_BYTES
-        data_offset = _round_up(header_offset + slots * HEADER_BYTES, PAGE_BYTES)
-        return cls(slot_bytes, slots, header_offset, data_offset, data_offset + slots * slot_bytes)
-
-
-def _round_up(n: int, to: int) -> int:
-    return -(-n // to) * to
 
 
 def read_header(buf: memoryview | bytes | bytearray, offset: int = 0) -> SlotHeader:
@@ -178,12 +155,10 @@ class KvPool:
         """Attach to `path` if it is a pool of this shape and namespace (same epoch,
         its blocks kept), else start a new epoch in a new file (`fresh`: always)."""
         geo = Geometry.of(slot_bytes, slots)
-        ns = json.dumps(namespace_key).encode()
-        if NAMESPACE_OFFSET + len(ns) > PAGE_BYTES:
-            raise PoolError("namespace key does not fit the pool superblock")
-        mem = None if fresh else _attach(path, geo, namespace_key)
+        ns = encode_namespace(namespace_key)
+        mem = None if fresh else attach(path, geo, namespace_key)
         if mem is None:
-            mem = _create(path, geo, ns)
+            mem = create(path, geo, ns)
         return cls(mem, geo, namespace_key)
 
     def close(self, unlink: bool = False) -> None:
@@ -196,12 +171,12 @@ class KvPool:
     @property
     def epoch(self) -> int:
         """This file's incarnation (read from the superblock, so a mapping sees a retire)."""
-        return int(_EPOCH.unpack_from(self.view, EPOCH_OFFSET)[0])
+        return epoch_of(self.view)
 
     @property
     def retired(self) -> bool:
         """The agent replaced this file: its slots no longer mean anything."""
-        return bool(_RETIRED.unpack_from(self.view, RETIRED_OFFSET)[0])
+        return retired_of(self.view)
 
     # ------------------------------------------------------------ addressing
 
@@ -408,124 +383,3 @@ class KvPool:
             h = read_header(self.view, self.header_offset(s))
             if h.state == STORED:
                 yield s, h
-
-
-@dataclass(frozen=True, slots=True)
-class Superblock:
-    version: int
-    slot_bytes: int
-    slots: int
-    header_offset: int
-    data_offset: int
-    epoch: int
-    retired: bool
-    namespace_key: str | None
-    """None when the stored namespace is not readable."""
-
-
-def read_superblock(buf: memoryview | bytes | mmap.mmap) -> Superblock | None:
-    """The superblock of a mapped pool file of this version, or None."""
-    if len(buf) < PAGE_BYTES:
-        return None
-    magic, version, slot_bytes, slots, hoff, doff, nlen = _SUPER.unpack_from(buf, 0)
-    if magic != MAGIC or version != VERSION or nlen > PAGE_BYTES - NAMESPACE_OFFSET:
-        return None
-    try:
-        ns = json.loads(bytes(buf[NAMESPACE_OFFSET : NAMESPACE_OFFSET + nlen]))
-    except ValueError:
-        ns = None
-    return Superblock(
-        version,
-        slot_bytes,
-        slots,
-        hoff,
-        doff,
-        _EPOCH.unpack_from(buf, EPOCH_OFFSET)[0],
-        bool(_RETIRED.unpack_from(buf, RETIRED_OFFSET)[0]),
-        ns if isinstance(ns, str) else None,
-    )
-
-
-def fits(sb: Superblock, geo: Geometry, file_bytes: int) -> bool:
-    """The superblock describes `geo` and the file is big enough to map it whole."""
-    return (
-        sb.slot_bytes == geo.slot_bytes
-        and sb.slots == geo.slots
-        and sb.header_offset == geo.header_offset
-        and sb.data_offset == geo.data_offset
-        and file_bytes >= geo.size
-    )
-
-
-def _attach(path: str, geo: Geometry, namespace_key: str) -> SharedMemory | None:
-    """Map an existing live pool of the same shape and namespace, or None."""
-    try:
-        if os.path.getsize(path) != _round_up(geo.size, PAGE_BYTES):  # created page-rounded
-            return None
-    except OSError:
-        return None
-    mem = SharedMemory.open_readwrite(path)
-    sb = read_superblock(mem.mm)
-    if sb is None or sb.retired or not fits(sb, geo, mem.size) or sb.namespace_key != namespace_key:
-        mem.close(unlink=False)
-        return None
-    return mem
-
-
-def _retire(path: str) -> None:
-    """Mark the pool file at `path` replaced, so engines mapping it attach again."""
-    try:
-        mem = SharedMemory.open_readwrite(path, owner=False)
-    except (OSError, ValueError):
-        return  # absent, or not a mappable pool: nobody maps it as one
-    try:
-        if read_superblock(mem.mm) is not None:
-            _RETIRED.pack_into(mem.mm, RETIRED_OFFSET, 1)
-    finally:
-        mem.close(unlink=False)
-
-
-def _create(path: str, geo: Geometry, ns: bytes) -> SharedMemory:
-    """A new pool file of a new epoch, renamed over `path` (never truncated in place:
-    an engine may still map the old one)."""
-    _remove_leftovers(path)
-    tmp = f"{path}.new-{os.getpid()}"
-    mem = SharedMemory.create(tmp, geo.size)
-    try:
-        _SUPER.pack_into(
-            mem.mm,
-            0,
-            MAGIC,
-            VERSION,
-            geo.slot_bytes,
-            geo.slots,
-            geo.header_offset,
-            geo.data_offset,
-            len(ns),
-        )
-        _EPOCH.pack_into(mem.mm, EPOCH_OFFSET, _new_epoch())
-        mem.mm[NAMESPACE_OFFSET : NAMESPACE_OFFSET + len(ns)] = ns
-        _retire(path)
-        os.replace(tmp, path)
-    except BaseException:
-        mem.close(unlink=True)
-        raise
-    mem.path = path
-    return mem
-
-
-def _remove_leftovers(path: str) -> None:
-    """Unlink half-made pool files of agents that died while creating one."""
-    head = os.path.basename(path) + ".new-"
-    folder = os.path.dirname(path) or "."
-    with contextlib.suppress(OSError):
-        for name in os.listdir(folder):
-            pid = name.removeprefix(head)
-            if name.startswith(head) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(folder, name))
-
-
-def _new_epoch() -> int:
-    """Random and never 0 (0 in a request means "no epoch given")."""
-    return secrets.randbits(64) or 1

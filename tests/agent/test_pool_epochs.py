@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 from kvdir.agent.engine_client import EngineClient, EngineError, PoolChanged
-from kvdir.agent.pool import ALLOCATED, FREE, Geometry, KvPool, read_superblock
+from kvdir.agent.pool import ALLOCATED, FREE, Geometry, KvPool
+from kvdir.agent.pool_file import read_superblock
 from kvdir.agent.vllm.config import ConnectorConfig
 from kvdir.agent.vllm.seam import AgentSeam, AgentUnavailable
 from kvdir.local import LocalAgent, LocalCluster, wait_for

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from kvdir.agent.owners import NO_OWNER, Owner, alive, owner_of, start_ticks
-from kvdir.agent.pool import ALLOCATED, FREE, STORED, Geometry, KvPool, read_superblock
+from kvdir.agent.pool import ALLOCATED, FREE, STORED, Geometry, KvPool
+from kvdir.agent.pool_file import read_superblock
 from kvdir.transfer.memory import SharedMemory
 
 SLOT_BYTES = 4096
