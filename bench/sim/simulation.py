@@ -404,8 +404,8 @@ class Simulation:
         self.net.faults = NetFaults()
         self._note("heal: network whole and clean, every replica restarted")
         for _ in range(HEAL_STEPS_MAX):
-            for addr in sorted(self.members.members):  # a change settled late adds one
-                if not self.seats[addr].up:
+            for addr in sorted(self.members.members | self._configuration()):
+                if not self.seats[addr].up:  # a change settled late may name one more
                     self._start(addr)
             self._step(faults=False)
             if self._converged():
@@ -431,21 +431,33 @@ class Simulation:
             )
         return "; ".join(out) + f"; clients waiting {len(self.work.busy)}"
 
-    def _converged(self) -> bool:
+    def _configuration(self) -> set[str]:
+        """The members as the leader has them (empty without a leader)."""
         leader = self._leader()
-        if leader is None or self.work.busy:
+        if leader is None:
+            return set()
+        lr = self.seats[leader].replica
+        assert lr is not None
+        return {leader} | {str(n.address) for n in lr.otherNodes}
+
+    def _converged(self) -> bool:
+        """Every member of the leader's configuration applied the leader's whole log.
+
+        The leader's configuration, not the simulator's: a membership change whose
+        leader crashed before answering may still take effect later (its entry
+        survives in the next leader's log) after the simulator settled it as not done.
+        """
+        leader = self._leader()
+        if leader is None or self.work.busy or self.members.changing is not None:
             return False
         lr = self.seats[leader].replica
         assert lr is not None
         target = int(lr.raftCommitIndex)
         if target < lr.last_log_index():
             return False
-        if self.members.changing is not None:
-            return False
         return all(
-            s.replica is not None and int(s.replica.raftLastApplied) == target
-            for a, s in self.seats.items()
-            if a in self.members.members
+            (r := self.seats[a].replica) is not None and int(r.raftLastApplied) == target
+            for a in self._configuration()
         )
 
     def _final_checks(self) -> None:
