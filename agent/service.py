@@ -123,9 +123,7 @@ class PoolState:
     def reclaim_dead(self, is_alive: Callable[[Owner], bool] = alive) -> int:
         """Free the reserved slots of owners that are gone; how many came back."""
         n = 0
-        for owner, slots in self.pool.allocated_by_owner().items():
-            if is_alive(owner):
-                continue
+        for owner, slots in self.pool.allocated_by_owner(lambda o: not is_alive(o)).items():
             with self.lock:  # no Fetch starts into these slots while they are freed
                 idle = [s for s in slots if not self.fetching[s]]
                 got = self.pool.reclaim(idle, owner)
