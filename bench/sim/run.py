@@ -15,20 +15,30 @@ import platform
 import subprocess
 import sys
 import time
+import traceback
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from bench.sim.checks import Violation
 from bench.sim.simulation import Result, run_seed
 
 PROGRESS_EVERY_S = 30.0
 
 
 def _one(job: tuple[int, int, int]) -> Result:
+    """One seed; an exception of the simulator itself is that seed's failure, not the run's."""
     seed, steps, replicas = job
-    return run_seed(seed, steps, replicas)
+    try:
+        return run_seed(seed, steps, replicas)
+    except Exception as e:
+        res = Result(seed, steps, replicas)
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        detail = f"{type(e).__name__}: {e} at {where.filename}:{where.lineno}"
+        res.violations.append(Violation("simulator_error", 0, detail))
+        return res
 
 
 def cmd_sim(args: argparse.Namespace) -> int:

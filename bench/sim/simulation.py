@@ -362,14 +362,13 @@ class Simulation:
     # ------------------------------------------------------------ clients
 
     def _client(self, faults: bool) -> None:
-        running = {a: s for a, s in self.seats.items() if s.up}
-
         def alive(addr: str, incarnation: int) -> bool:
             s = self.seats[addr]
             return s.up and s.incarnation == incarnation
 
         self.work.expire(self.clock.now, alive)
-        self.members.settle_late(self)
+        self.members.settle_late(self)  # may stop a replica: the running ones are known after
+        running = {a: s for a, s in self.seats.items() if s.up}
         if faults and self.rng.random() < self.knobs.op:
             bulk = self.rng.random() < self.knobs.bulk
             started = self.work.start_op(self.clock.now, running, bulk)
