@@ -53,25 +53,34 @@ def test_seed(seed: int) -> None:
 
 
 REGRESSION_SEEDS = {
-    4: "hole 1: a follower cut entries matching the committed ones",
-    47: "hole 1: ... below its own commit index",
-    25: "hole 3: a large entry's early 'finish' chunk failed to unpickle (EOFError)",
-    91: "hole 3: the same",
-    36: (
+    (4, STEPS): "hole 1: a follower cut entries matching the committed ones",
+    (47, STEPS): "hole 1: ... below its own commit index",
+    (25, STEPS): "hole 3: a large entry's early 'finish' chunk failed to unpickle (EOFError)",
+    (91, STEPS): "hole 3: the same",
+    (36, STEPS): (
         "hole 1, and a snapshot chunk raised a follower's commit index over a deposed "
         "leader's entries: it applied them, an acknowledged Publish was lost, tables differed"
     ),
+    (317, 2000): (
+        "membership rebuilt from snapshots after restarts: members disagreed on who votes, "
+        "a leader's configuration left out the replica holding 20 acknowledged writes"
+    ),
 }
-"""Seeds (of STEPS steps) that failed on the product before the fixes of issue 29
-(bf97ea0, be749fc; run on f4a7c8a's directory/ with this simulator: all 100 CI
-seeds' results are in bench/results/raft-sim-2026-12-03.md). A change to the
-simulator re-rolls what a seed does: re-derive this list the same way then."""
+"""(seed, steps) that failed before a fix of issue 29 and pass after: the first five on
+f4a7c8a's directory/ (before bf97ea0 and be749fc; all 100 CI seeds' results are in
+bench/results/raft-sim-2026-12-03.md), the last on 3cca776's (before 80e4bd4), each
+run with this simulator. A change to the simulator re-rolls what a seed does:
+re-derive this list the same way then."""
 
 
-@pytest.mark.parametrize("seed", sorted(REGRESSION_SEEDS), ids=lambda s: f"regression_{s}")
-def test_regression_seed(seed: int) -> None:
-    res = run_seed(seed, STEPS)
-    assert res.ok, f"{REGRESSION_SEEDS[seed]}\n{res.summary()}"
+@pytest.mark.parametrize(
+    ("seed", "steps"),
+    sorted(REGRESSION_SEEDS),
+    ids=[f"regression_{seed}_{steps}" for seed, steps in sorted(REGRESSION_SEEDS)],
+)
+def test_regression_seed(seed: int, steps: int) -> None:
+    res = run_seed(seed, steps)
+    assert res.ok, f"{REGRESSION_SEEDS[(seed, steps)]}\n{res.summary()}"
 
 
 def test_members_agree_after_a_blackout_that_follows_membership_changes() -> None:
