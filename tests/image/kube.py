@@ -92,7 +92,7 @@ def _container(c: Doc, namespace: str) -> Doc:
 
 
 def playable_directory(docs: list[Doc], namespace: str, ordinal: int = 0) -> list[Doc]:
-    """[ConfigMap, PersistentVolumeClaim, Pod] for replica `ordinal` of the StatefulSet."""
+    """[ConfigMap, the Secrets as ConfigMaps, PersistentVolumeClaim, Pod] for replica `ordinal`."""
     sts = one(docs, "StatefulSet")
     name = pod_name(sts, ordinal)
     template = sts["spec"]["template"]

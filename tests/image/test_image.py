@@ -112,7 +112,9 @@ def test_the_pods_configs_load_with_the_daemons_loaders(tmp_path: Path) -> None:
     with open(K8S / "directory.yaml") as f:
         docs = [d for d in yaml.safe_load_all(f) if d]
     played = kube.playable_directory(docs, NAMESPACE)
-    assert [d["kind"] for d in played] == ["ConfigMap", "PersistentVolumeClaim", "Pod"]
+    # the directory's ConfigMap, the Raft password Secret played as a ConfigMap, the claim, the Pod
+    kinds = ["ConfigMap", "ConfigMap", "PersistentVolumeClaim", "Pod"]
+    assert [d["kind"] for d in played] == kinds
     for d in played:
         kubernetes_validate.validate(d, K8S_VERSION, strict=True)
 
