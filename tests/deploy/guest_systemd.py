@@ -55,6 +55,9 @@ BLOCKS = 4
 START_TIMEOUT_S = 500.0
 """Starting the units under emulation (TCG): imports alone take 10-60 s per process."""
 STEP_TIMEOUT_S = 300.0
+COMMAND_TIMEOUT_S = 180.0
+"""One command (`kvdir ctl`, systemctl): a Python CLI's imports alone took over 60 s
+under TCG while the rest of the suite ran beside the VM (a fresh-clone CI run)."""
 POLL_S = 0.5
 
 
@@ -66,7 +69,7 @@ def unit(replica: str) -> str:
     return f"kvdir-directory@{replica}.service"
 
 
-def sh(*cmd: str, timeout_s: float = 60.0, check: bool = True) -> str:
+def sh(*cmd: str, timeout_s: float = COMMAND_TIMEOUT_S, check: bool = True) -> str:
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
     except subprocess.TimeoutExpired as e:
