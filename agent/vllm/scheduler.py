@@ -148,7 +148,8 @@ class SchedulerSide:
                 peer = plan.peer_blocks
                 ok = self.cost.pull_wins(peer * self.block_bytes, peer * self.block_tokens)
                 self._pull_ok[req_id] = ok
-                self.counts.slow_pulls_skipped += 0 if ok else 1
+                if not ok:
+                    self.counts.slow_pulls_skipped += 1
             if not ok:
                 plan = pool_only(plan, self.block_tokens)
         if req_id not in self._plans:

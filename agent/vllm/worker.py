@@ -306,16 +306,20 @@ class WorkerSide:
         """Slots to fetch into: the save reserve's when it has enough (no round trip
         to the agent on the load's critical path; the refill thread tops it up),
         else newly reserved ones."""
+        slots = self._take_reserved(count, whole=True)
+        return slots if slots else self.seam.reserve(count)
+
+    def _take_reserved(self, count: int, whole: bool) -> list[int]:
+        """Up to `count` reserved slots (`whole`: all of them or none); the refill
+        thread is woken once the reserve runs below half."""
         with self._stash_lock:
-            if len(self._stash) >= count:
-                slots, self._stash = self._stash[:count], self._stash[count:]
-            else:
-                slots = []
-        if slots:
-            if len(self._stash) < self.reserve_target // 2:
-                self._refill.set()
-            return slots
-        return self.seam.reserve(count)
+            n = count if len(self._stash) >= count or not whole else 0
+            n = min(n, len(self._stash))
+            slots, self._stash = self._stash[:n], self._stash[n:]
+            low = len(self._stash) < self.reserve_target // 2
+        if low:
+            self._refill.set()
+        return slots
 
     # -------------------------------------------------------------- saves
 
@@ -325,11 +329,8 @@ class WorkerSide:
             return
         hashes = [h for j in jobs for h in j.hashes]
         blocks = [b for j in jobs for b in j.block_ids]
-        with self._stash_lock:
-            n = min(len(blocks), len(self._stash))
-            slots, self._stash = self._stash[:n], self._stash[n:]
-        if len(self._stash) < self.reserve_target // 2:
-            self._refill.set()
+        slots = self._take_reserved(len(blocks), whole=False)
+        n = len(slots)
         with self._stats_lock:
             self.stats.save_skipped += len(blocks) - n
         if n == 0:
