@@ -56,10 +56,18 @@ def _metadata(e: grpc.RpcError) -> dict[str, str]:
 
 
 class DirectoryError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str, reason: str = "") -> None:
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        reason: str = "",
+        metadata: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.reason = reason
+        self.metadata = metadata or {}
+        """The refusal's trailing metadata (a wrong_shard refusal's map version)."""
 
 
 class Unavailable(DirectoryError):
@@ -186,9 +194,16 @@ class DirectoryClient:
             self._preferred = (self._preferred + 1) % len(self.addresses)
 
     def call(
-        self, method: str, request: Any, timeout_s: float | None = None, address: str | None = None
+        self,
+        method: str,
+        request: Any,
+        timeout_s: float | None = None,
+        address: str | None = None,
+        metadata: Sequence[tuple[str, str]] | None = None,
     ) -> Any:
-        """Call `method` with retries (see the module docstring) within one deadline."""
+        """Call `method` with retries (see the module docstring) within one deadline.
+
+        `metadata` goes with every attempt (a sharded client's map version)."""
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         last: grpc.RpcError | None = None
         for attempt in range(ATTEMPTS_MAX):
@@ -197,7 +212,9 @@ class DirectoryClient:
                 break
             target = address or self.addresses[self._preferred]
             try:
-                return getattr(self._stubs[target], method)(request, timeout=remaining)
+                return getattr(self._stubs[target], method)(
+                    request, timeout=remaining, metadata=metadata
+                )
             except grpc.RpcError as e:
                 last = e
                 code = e.code()
@@ -205,7 +222,7 @@ class DirectoryClient:
                 unknown = md.get("kvdir-outcome") == "unknown" or code in _UNKNOWN
                 if code == grpc.StatusCode.INVALID_ARGUMENT or code not in (_RETRYABLE | _UNKNOWN):
                     raise DirectoryError(
-                        code, e.details() or code.name, str(md.get("kvdir-reason", ""))
+                        code, e.details() or code.name, str(md.get("kvdir-reason", "")), md
                     ) from e
                 if unknown and not self.retry_unknown:
                     raise OutcomeUnknown(code, e.details() or code.name) from e

@@ -1,0 +1,141 @@
+"""Merging the groups' answers to one chain lookup (pure: no I/O, no clock).
+
+A sharded client sends each group the subsequence of the chain that the group
+owns, in chain order, as an ordinary Lookup; the group answers as an unsharded
+directory does: per holder, the longest prefix of *that subsequence* and its
+records. For holder h, group g with owned positions P_g and answered prefix
+k_g (0 when h is absent from g's answer or g did not answer), h holds the
+chain up to P_g[k_g] as far as g can tell (the whole chain when k_g covers
+P_g); h's prefix of the chain is the least of those bounds over every group
+that owns a block of it. Records of the positions below it come from the
+owning group's answer, each at its rank in that group's subsequence.
+
+Safety: a missing or truncated answer can only lower a bound, so it shortens
+a prefix and never lengthens one; every record comes from the one group that
+owns its block. An unavailable group therefore ends every prefix at its first
+block of the chain: a miss, never an error and never a wrong record.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvdir.v1 import directory_pb2 as pb
+
+_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("addresses", "<u8"),
+    ("lengths", "<u4"),
+    ("rkeys", "<u4"),
+    ("generations", "<u8"),
+    ("tiers", "u1"),
+)
+"""NodeMatch's packed record columns and their element types (little-endian)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Holder:
+    prefix: int
+    match: pb.NodeMatch
+    """The match that names the holder (host, endpoint, transports)."""
+
+
+def subsequence(chain: Sequence[bytes], positions: Sequence[int]) -> list[bytes]:
+    """The hashes at `positions` of `chain`, in order (one group's part)."""
+    return [chain[i] for i in positions]
+
+
+def holder_prefixes(
+    chain_blocks: int,
+    positions: Mapping[str, Sequence[int]],
+    answers: Mapping[str, pb.LookupResponse | None],
+) -> dict[str, int]:
+    """Each holder's prefix of the whole chain (holders with 0 left out).
+
+    `positions[g]` are the chain positions group g owns (ascending, and
+    together every position exactly once); `answers[g]` is g's answer to the
+    Lookup of its subsequence, or None when g could not be asked."""
+    seen: dict[str, dict[str, int]] = {}
+    for g, resp in answers.items():
+        if resp is None or g not in positions:
+            continue
+        for m in resp.matches:
+            seen.setdefault(m.node_id, {})[g] = m.prefix_blocks
+    out: dict[str, int] = {}
+    for node_id, per_group in seen.items():
+        bound = chain_blocks
+        for g, owned in positions.items():
+            k = min(per_group.get(g, 0), len(owned))
+            if k < len(owned):
+                bound = min(bound, owned[k])
+        if bound > 0:
+            out[node_id] = bound
+    return out
+
+
+def merge_lookup(
+    chain_blocks: int,
+    positions: Mapping[str, Sequence[int]],
+    answers: Mapping[str, pb.LookupResponse | None],
+    max_nodes: int,
+    omit_records: bool = False,
+) -> pb.LookupResponse:
+    """One LookupResponse for the whole chain, as an unsharded directory gives it:
+    best first (longer prefix, then node id), at most `max_nodes` holders."""
+    prefixes = holder_prefixes(chain_blocks, positions, answers)
+    order = sorted(prefixes.items(), key=lambda x: (-x[1], x[0]))[:max_nodes]
+    by_group = {
+        g: {m.node_id: m for m in resp.matches}
+        for g, resp in answers.items()
+        if resp is not None and g in positions
+    }
+    owned = {g: np.asarray(p, dtype=np.int64) for g, p in positions.items()}
+    resp = pb.LookupResponse()
+    for node_id, prefix in order:
+        first = _owner_of(0, owned)
+        src = by_group[first][node_id]
+        nm = resp.matches.add(
+            node_id=node_id,
+            prefix_blocks=prefix,
+            host=src.host,
+            agent_endpoint=src.agent_endpoint,
+            transports=src.transports,
+        )
+        if not omit_records:
+            _fill_records(nm, prefix, owned, {g: m.get(node_id) for g, m in by_group.items()})
+    lead = answers.get(_owner_of(0, owned)) if owned else None
+    if lead is not None:
+        resp.read.CopyFrom(lead.read)
+    return resp
+
+
+def _owner_of(position: int, owned: Mapping[str, np.ndarray]) -> str:
+    for g, p in owned.items():
+        if len(p) and p[0] == position:
+            return g
+    raise ValueError(f"no group owns chain position {position}")
+
+
+def _fill_records(
+    nm: pb.NodeMatch,
+    prefix: int,
+    owned: Mapping[str, np.ndarray],
+    matches: Mapping[str, pb.NodeMatch | None],
+) -> None:
+    """Interleave the owning groups' record columns into chain order, up to `prefix`."""
+    for name, dtype in _COLUMNS:
+        out = np.empty(prefix, dtype=dtype)
+        for g, p in owned.items():
+            below = int(np.searchsorted(p, prefix))  # positions of g inside the prefix
+            if below == 0:
+                continue
+            m = matches.get(g)
+            # holder_prefixes bounded `prefix` by p[k_g], so g answered >= `below` blocks.
+            assert m is not None and m.prefix_blocks >= below, "merge bound broken"
+            col = np.frombuffer(getattr(m, name), dtype=dtype)
+            if len(col) < below:
+                raise ValueError(f"group {g!r} sent {len(col)} {name} for {below} blocks")
+            out[p[:below]] = col[:below]
+        setattr(nm, name, out.tobytes())
