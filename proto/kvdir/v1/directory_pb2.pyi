@@ -73,6 +73,49 @@ ROLE_CANDIDATE: Role.ValueType  # 2
 ROLE_LEADER: Role.ValueType  # 3
 Global___Role: _TypeAlias = Role  # noqa: Y015
 
+class _ShardState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ShardStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ShardState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    SHARD_STATE_UNSPECIFIED: _ShardState.ValueType  # 0
+    """rejected in SetShardMap"""
+    SHARD_STATE_SERVING: _ShardState.ValueType  # 1
+    SHARD_STATE_MOVING: _ShardState.ValueType  # 2
+    """A move to `target_group` has started; the owner still serves and takes
+    writes until the map naming the target as the owner commits.
+    """
+
+class ShardState(_ShardState, metaclass=_ShardStateEnumTypeWrapper):
+    """---------------------------------------------------------------- Shards
+
+    The directory's key space is split into shards, each owned by one Raft
+    group of replicas (docs/sharding.md). The key of a block is blake2b-64 of
+    its hash (kvdir/core/shard_map.py); shards are contiguous ranges of keys
+    over [0, 2**64). The versioned map lives in the home group's ("g0") Raft
+    log and every replica of every group follows it.
+
+    A sharded replica refuses a Publish, a Remove by hashes, a Lookup or a
+    LookupBatch naming a hash its group does not own, whole, with
+    FAILED_PRECONDITION, trailing metadata `kvdir-reason: wrong_shard` and
+    `kvdir-shard-map-version` (the replica's map version), and a message naming
+    the owner: refresh the map (GetShardMap) and retry. Until it has a map it
+    answers UNAVAILABLE ("no shard map yet"). A client may send its own map
+    version as request metadata `kvdir-shard-map-version`: a replica that knows
+    an older one refreshes at once. A replica started without --shard-home is
+    unsharded: its group owns every key and it never refuses one.
+    """
+
+SHARD_STATE_UNSPECIFIED: ShardState.ValueType  # 0
+"""rejected in SetShardMap"""
+SHARD_STATE_SERVING: ShardState.ValueType  # 1
+SHARD_STATE_MOVING: ShardState.ValueType  # 2
+"""A move to `target_group` has started; the owner still serves and takes
+writes until the map naming the target as the owner commits.
+"""
+Global___ShardState: _TypeAlias = ShardState  # noqa: Y015
+
 @_typing.final
 class Namespace(_message.Message):
     """Names a model and its KV layout; blocks of different namespaces never match."""
@@ -816,6 +859,8 @@ class ClusterStatusResponse(_message.Message):
     LAST_COMPACTION_S_FIELD_NUMBER: _builtins.int
     CLUSTER_ID_FIELD_NUMBER: _builtins.int
     STATE_DIGEST_FIELD_NUMBER: _builtins.int
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    SHARD_MAP_VERSION_FIELD_NUMBER: _builtins.int
     replica_id: _builtins.str
     role: Global___Role.ValueType
     leader_id: _builtins.str
@@ -840,6 +885,11 @@ class ClusterStatusResponse(_message.Message):
     """SHA-256 of the table's canonical form at applied_index (with_digest only):
     replicas at the same applied index must report the same digest.
     """
+    group_id: _builtins.str
+    """The answering replica's shard group ("g0" when started without --group)
+    and the version of the shard map it routes by (0: none yet, or unsharded).
+    """
+    shard_map_version: _builtins.int
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[Global___Member]: ...
     def __init__(
@@ -862,10 +912,12 @@ class ClusterStatusResponse(_message.Message):
         last_compaction_s: _builtins.float = ...,
         cluster_id: _builtins.str = ...,
         state_digest: _builtins.bytes = ...,
+        group_id: _builtins.str = ...,
+        shard_map_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_index", b"applied_index", "blocks", b"blocks", "cluster_id", b"cluster_id", "commit_index", b"commit_index", "entries", b"entries", "has_quorum", b"has_quorum", "last_compaction_s", b"last_compaction_s", "leader_grpc_address", b"leader_grpc_address", "leader_id", b"leader_id", "log_entries", b"log_entries", "members", b"members", "namespaces", b"namespaces", "nodes", b"nodes", "replica_id", b"replica_id", "role", b"role", "state_digest", b"state_digest", "term", b"term"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_index", b"applied_index", "blocks", b"blocks", "cluster_id", b"cluster_id", "commit_index", b"commit_index", "entries", b"entries", "group_id", b"group_id", "has_quorum", b"has_quorum", "last_compaction_s", b"last_compaction_s", "leader_grpc_address", b"leader_grpc_address", "leader_id", b"leader_id", "log_entries", b"log_entries", "members", b"members", "namespaces", b"namespaces", "nodes", b"nodes", "replica_id", b"replica_id", "role", b"role", "shard_map_version", b"shard_map_version", "state_digest", b"state_digest", "term", b"term"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1054,6 +1106,151 @@ class WatchEvent(_message.Message):
 Global___WatchEvent: _TypeAlias = WatchEvent  # noqa: Y015
 
 @_typing.final
+class ShardGroup(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """gRPC HOST:PORT of each replica"""
+
+    def __init__(
+        self,
+        *,
+        group_id: _builtins.str = ...,
+        replicas: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "replicas", b"replicas"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardGroup: _TypeAlias = ShardGroup  # noqa: Y015
+
+@_typing.final
+class ShardRange(_message.Message):
+    """Keys [lo, hi), owned by `group_id`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_ID_FIELD_NUMBER: _builtins.int
+    LO_FIELD_NUMBER: _builtins.int
+    HI_FIELD_NUMBER: _builtins.int
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    TARGET_GROUP_FIELD_NUMBER: _builtins.int
+    shard_id: _builtins.int
+    lo: _builtins.int
+    hi: _builtins.int
+    """exclusive; 0 means 2**64 (the end of the key space)"""
+    group_id: _builtins.str
+    state: Global___ShardState.ValueType
+    target_group: _builtins.str
+    """set only while MOVING"""
+    def __init__(
+        self,
+        *,
+        shard_id: _builtins.int = ...,
+        lo: _builtins.int = ...,
+        hi: _builtins.int = ...,
+        group_id: _builtins.str = ...,
+        state: Global___ShardState.ValueType = ...,
+        target_group: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "hi", b"hi", "lo", b"lo", "shard_id", b"shard_id", "state", b"state", "target_group", b"target_group"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardRange: _TypeAlias = ShardRange  # noqa: Y015
+
+@_typing.final
+class ShardMap(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VERSION_FIELD_NUMBER: _builtins.int
+    GROUPS_FIELD_NUMBER: _builtins.int
+    SHARDS_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """>= 1; each change adds one"""
+    @_builtins.property
+    def groups(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardGroup]: ...
+    @_builtins.property
+    def shards(self) -> _containers.RepeatedCompositeFieldContainer[Global___ShardRange]:
+        """sorted by lo, no gaps, covering [0, 2**64)"""
+
+    def __init__(
+        self,
+        *,
+        version: _builtins.int = ...,
+        groups: _abc.Iterable[Global___ShardGroup] | None = ...,
+        shards: _abc.Iterable[Global___ShardRange] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["groups", b"groups", "shards", b"shards", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ShardMap: _TypeAlias = ShardMap  # noqa: Y015
+
+@_typing.final
+class GetShardMapRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MIN_VERSION_FIELD_NUMBER: _builtins.int
+    min_version: _builtins.int
+    """The caller knows this version: a replica that knows an older one asks
+    the home group first (bounded), then answers what it has.
+    """
+    def __init__(
+        self,
+        *,
+        min_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["min_version", b"min_version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetShardMapRequest: _TypeAlias = GetShardMapRequest  # noqa: Y015
+
+@_typing.final
+class GetShardMapResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAP_FIELD_NUMBER: _builtins.int
+    GROUP_ID_FIELD_NUMBER: _builtins.int
+    HOME_FIELD_NUMBER: _builtins.int
+    group_id: _builtins.str
+    """the answering replica's group"""
+    home: _builtins.bool
+    """the answering replica's group holds the map"""
+    @_builtins.property
+    def map(self) -> Global___ShardMap:
+        """unset: the replica is unsharded (owns every key)"""
+
+    def __init__(
+        self,
+        *,
+        map: Global___ShardMap | None = ...,
+        group_id: _builtins.str = ...,
+        home: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["map", b"map"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["group_id", b"group_id", "home", b"home", "map", b"map"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetShardMapResponse: _TypeAlias = GetShardMapResponse  # noqa: Y015
+
+@_typing.final
 class AddReplicaRequest(_message.Message):
     """Operators' commands (`kvdir ctl add-replica|remove-replica|backup`).
     Membership changes run on the leader only: elsewhere FAILED_PRECONDITION
@@ -1180,6 +1377,64 @@ class BackupChunk(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___BackupChunk: _TypeAlias = BackupChunk  # noqa: Y015
+
+@_typing.final
+class SetShardMapRequest(_message.Message):
+    """Commit a new shard map in the home group's log (compare-and-set), through
+    any of its replicas (elsewhere FAILED_PRECONDITION `kvdir-reason:
+    not_home`). The committed map's version must be `expected_version` (else
+    FAILED_PRECONDITION `kvdir-reason: stale_version`, the committed version in
+    trailing `kvdir-shard-map-version`). INVALID_ARGUMENT `kvdir-reason:
+    bad_shard_map`: `map.version` is not `expected_version + 1`, the map breaks
+    its invariants (gaps, overlaps, unknown groups, over the limits), or it
+    gives a key to another group other than by finishing that key's move (data
+    would be lost). Write outcomes (UNAVAILABLE, ABORTED with `kvdir-outcome:
+    unknown`) as for Publish. Admin callers only, as the other admin RPCs.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXPECTED_VERSION_FIELD_NUMBER: _builtins.int
+    MAP_FIELD_NUMBER: _builtins.int
+    expected_version: _builtins.int
+    """0: no map committed yet"""
+    @_builtins.property
+    def map(self) -> Global___ShardMap: ...
+    def __init__(
+        self,
+        *,
+        expected_version: _builtins.int = ...,
+        map: Global___ShardMap | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["map", b"map"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_version", b"expected_version", "map", b"map"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetShardMapRequest: _TypeAlias = SetShardMapRequest  # noqa: Y015
+
+@_typing.final
+class SetShardMapResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAP_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def map(self) -> Global___ShardMap:
+        """as committed"""
+
+    def __init__(
+        self,
+        *,
+        map: Global___ShardMap | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["map", b"map"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["map", b"map"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetShardMapResponse: _TypeAlias = SetShardMapResponse  # noqa: Y015
 
 @_typing.final
 class EchoRequest(_message.Message):

@@ -84,6 +84,11 @@ class PrefixDirectoryStub:
                 request_serializer=kvdir_dot_v1_dot_directory__pb2.WatchRequest.SerializeToString,
                 response_deserializer=kvdir_dot_v1_dot_directory__pb2.WatchEvent.FromString,
                 _registered_method=True)
+        self.GetShardMap = channel.unary_unary(
+                '/kvdir.v1.PrefixDirectory/GetShardMap',
+                request_serializer=kvdir_dot_v1_dot_directory__pb2.GetShardMapRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_directory__pb2.GetShardMapResponse.FromString,
+                _registered_method=True)
 
 
 class PrefixDirectoryServicer:
@@ -149,6 +154,15 @@ class PrefixDirectoryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetShardMap(self, request, context):
+        """The shard map this replica routes by. UNAVAILABLE: a sharded replica
+        with no map yet. An unsharded replica answers without `map`: it owns
+        every key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefixDirectoryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -201,6 +215,11 @@ def add_PrefixDirectoryServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=kvdir_dot_v1_dot_directory__pb2.WatchRequest.FromString,
                     response_serializer=kvdir_dot_v1_dot_directory__pb2.WatchEvent.SerializeToString,
+            ),
+            'GetShardMap': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetShardMap,
+                    request_deserializer=kvdir_dot_v1_dot_directory__pb2.GetShardMapRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_directory__pb2.GetShardMapResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -483,6 +502,33 @@ class PrefixDirectory:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def GetShardMap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdir.v1.PrefixDirectory/GetShardMap',
+            kvdir_dot_v1_dot_directory__pb2.GetShardMapRequest.SerializeToString,
+            kvdir_dot_v1_dot_directory__pb2.GetShardMapResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DirectoryAdminStub:
     """Missing associated documentation comment in .proto file."""
@@ -508,6 +554,11 @@ class DirectoryAdminStub:
                 request_serializer=kvdir_dot_v1_dot_directory__pb2.BackupRequest.SerializeToString,
                 response_deserializer=kvdir_dot_v1_dot_directory__pb2.BackupChunk.FromString,
                 _registered_method=True)
+        self.SetShardMap = channel.unary_unary(
+                '/kvdir.v1.DirectoryAdmin/SetShardMap',
+                request_serializer=kvdir_dot_v1_dot_directory__pb2.SetShardMapRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_directory__pb2.SetShardMapResponse.FromString,
+                _registered_method=True)
 
 
 class DirectoryAdminServicer:
@@ -531,6 +582,12 @@ class DirectoryAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetShardMap(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DirectoryAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -548,6 +605,11 @@ def add_DirectoryAdminServicer_to_server(servicer, server):
                     servicer.Backup,
                     request_deserializer=kvdir_dot_v1_dot_directory__pb2.BackupRequest.FromString,
                     response_serializer=kvdir_dot_v1_dot_directory__pb2.BackupChunk.SerializeToString,
+            ),
+            'SetShardMap': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetShardMap,
+                    request_deserializer=kvdir_dot_v1_dot_directory__pb2.SetShardMapRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_directory__pb2.SetShardMapResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -631,6 +693,33 @@ class DirectoryAdmin:
             '/kvdir.v1.DirectoryAdmin/Backup',
             kvdir_dot_v1_dot_directory__pb2.BackupRequest.SerializeToString,
             kvdir_dot_v1_dot_directory__pb2.BackupChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetShardMap(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdir.v1.DirectoryAdmin/SetShardMap',
+            kvdir_dot_v1_dot_directory__pb2.SetShardMapRequest.SerializeToString,
+            kvdir_dot_v1_dot_directory__pb2.SetShardMapResponse.FromString,
             options,
             channel_credentials,
             insecure,

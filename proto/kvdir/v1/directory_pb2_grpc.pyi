@@ -56,6 +56,11 @@ class PrefixDirectoryStub:
     ListNodes: _grpc.UnaryUnaryMultiCallable[_directory_pb2.ListNodesRequest, _directory_pb2.ListNodesResponse]
     ClusterStatus: _grpc.UnaryUnaryMultiCallable[_directory_pb2.ClusterStatusRequest, _directory_pb2.ClusterStatusResponse]
     Watch: _grpc.UnaryStreamMultiCallable[_directory_pb2.WatchRequest, _directory_pb2.WatchEvent]
+    GetShardMap: _grpc.UnaryUnaryMultiCallable[_directory_pb2.GetShardMapRequest, _directory_pb2.GetShardMapResponse]
+    """The shard map this replica routes by. UNAVAILABLE: a sharded replica
+    with no map yet. An unsharded replica answers without `map`: it owns
+    every key.
+    """
 
 @_typing.type_check_only
 class PrefixDirectoryAsyncStub(PrefixDirectoryStub):
@@ -70,6 +75,11 @@ class PrefixDirectoryAsyncStub(PrefixDirectoryStub):
     ListNodes: _aio.UnaryUnaryMultiCallable[_directory_pb2.ListNodesRequest, _directory_pb2.ListNodesResponse]  # type: ignore[assignment]
     ClusterStatus: _aio.UnaryUnaryMultiCallable[_directory_pb2.ClusterStatusRequest, _directory_pb2.ClusterStatusResponse]  # type: ignore[assignment]
     Watch: _aio.UnaryStreamMultiCallable[_directory_pb2.WatchRequest, _directory_pb2.WatchEvent]  # type: ignore[assignment]
+    GetShardMap: _aio.UnaryUnaryMultiCallable[_directory_pb2.GetShardMapRequest, _directory_pb2.GetShardMapResponse]  # type: ignore[assignment]
+    """The shard map this replica routes by. UNAVAILABLE: a sharded replica
+    with no map yet. An unsharded replica answers without `map`: it owns
+    every key.
+    """
 
 class PrefixDirectoryServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -142,6 +152,17 @@ class PrefixDirectoryServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_directory_pb2.WatchEvent], _abc.AsyncIterator[_directory_pb2.WatchEvent]]: ...
 
+    @_abc_1.abstractmethod
+    def GetShardMap(
+        self,
+        request: _directory_pb2.GetShardMapRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_directory_pb2.GetShardMapResponse, _abc.Awaitable[_directory_pb2.GetShardMapResponse]]:
+        """The shard map this replica routes by. UNAVAILABLE: a sharded replica
+        with no map yet. An unsharded replica answers without `map`: it owns
+        every key.
+        """
+
 def add_PrefixDirectoryServicer_to_server(servicer: PrefixDirectoryServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
 class DirectoryAdminStub:
@@ -152,6 +173,7 @@ class DirectoryAdminStub:
     AddReplica: _grpc.UnaryUnaryMultiCallable[_directory_pb2.AddReplicaRequest, _directory_pb2.MembershipResponse]
     RemoveReplica: _grpc.UnaryUnaryMultiCallable[_directory_pb2.RemoveReplicaRequest, _directory_pb2.MembershipResponse]
     Backup: _grpc.UnaryStreamMultiCallable[_directory_pb2.BackupRequest, _directory_pb2.BackupChunk]
+    SetShardMap: _grpc.UnaryUnaryMultiCallable[_directory_pb2.SetShardMapRequest, _directory_pb2.SetShardMapResponse]
 
 @_typing.type_check_only
 class DirectoryAdminAsyncStub(DirectoryAdminStub):
@@ -159,6 +181,7 @@ class DirectoryAdminAsyncStub(DirectoryAdminStub):
     AddReplica: _aio.UnaryUnaryMultiCallable[_directory_pb2.AddReplicaRequest, _directory_pb2.MembershipResponse]  # type: ignore[assignment]
     RemoveReplica: _aio.UnaryUnaryMultiCallable[_directory_pb2.RemoveReplicaRequest, _directory_pb2.MembershipResponse]  # type: ignore[assignment]
     Backup: _aio.UnaryStreamMultiCallable[_directory_pb2.BackupRequest, _directory_pb2.BackupChunk]  # type: ignore[assignment]
+    SetShardMap: _aio.UnaryUnaryMultiCallable[_directory_pb2.SetShardMapRequest, _directory_pb2.SetShardMapResponse]  # type: ignore[assignment]
 
 class DirectoryAdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -181,6 +204,13 @@ class DirectoryAdminServicer(metaclass=_abc_1.ABCMeta):
         request: _directory_pb2.BackupRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_directory_pb2.BackupChunk], _abc.AsyncIterator[_directory_pb2.BackupChunk]]: ...
+
+    @_abc_1.abstractmethod
+    def SetShardMap(
+        self,
+        request: _directory_pb2.SetShardMapRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_directory_pb2.SetShardMapResponse, _abc.Awaitable[_directory_pb2.SetShardMapResponse]]: ...
 
 def add_DirectoryAdminServicer_to_server(servicer: DirectoryAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
