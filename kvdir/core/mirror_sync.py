@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
-from kvdir.core.mirror import Mirror, MirrorError, Resync
+from kvdir.core.mirror import MirrorError, Resync
 from kvdir.core.security import PLAIN, ClientSecurity
 from kvdir.core.wire import GRPC_MESSAGE_BYTES_MAX
 from kvdir.v1 import directory_pb2 as pb
@@ -34,10 +34,23 @@ RETRY_S_MAX = 1.0
 _SAME_REPLICA = {grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
+class WatchTarget(Protocol):
+    """What a stream feeds: a `Mirror`, or one group's part of a `ShardedMirror`."""
+
+    @property
+    def watched(self) -> list[pb.Namespace]: ...
+
+    def resume_index(self) -> int: ...
+
+    def on_event(self, ev: pb.WatchEvent) -> None: ...
+
+    def fail(self, message: str) -> None: ...
+
+
 class MirrorSync:
     def __init__(
         self,
-        mirror: Mirror,
+        mirror: WatchTarget,
         addresses: Sequence[str],
         security: ClientSecurity = PLAIN,
     ) -> None:

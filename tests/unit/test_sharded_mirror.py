@@ -1,0 +1,192 @@
+"""A sharded mirror fed by several groups' Watch services equals one table of the whole log.
+
+Each group is a real in-process replica with its own WatchService (the
+consensus port's MemoryCluster, as tests/unit/test_mirror.py). The log is the
+seeded simulation's; it is split as a sharded client splits it (Publish and
+Remove by owner, node-wide commands to every group) and one wrong-group
+Publish is slipped into each group to check the ownership filter. The union
+must hold exactly the whole log's entries, whatever order the streams are
+drained in, across resumes and fresh snapshots.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvdir.core.mirror import NotServed
+from kvdir.core.shard_map import Group, ShardMap, even_map
+from kvdir.core.sharded_mirror import GroupFeed, ShardedMirror, entries_digest
+from kvdir.directory import codec
+from kvdir.directory.commands import Command, Publish, Remove
+from kvdir.directory.limits import WatchLimits
+from kvdir.directory.lookup import Chain
+from kvdir.directory.table import Table
+from kvdir.directory.watch_hub import CutOff, Watcher
+from kvdir.v1 import directory_pb2 as pb
+from tests.sim.test_replicas import Workload
+from tests.unit.test_mirror import Clock, pb_ns
+from tests.unit.watch_helpers import LocalReplica
+
+LOG = 300
+
+
+class Feed:
+    """One group's stream drained by hand into its feed (as watch_helpers.Stream)."""
+
+    def __init__(self, replica: LocalReplica, feed: GroupFeed) -> None:
+        self.replica, self.feed = replica, feed
+        self.watcher: Watcher
+        self.watcher, chunks = replica.service.open(pb.WatchRequest(from_index=feed.resume_index()))
+        for ev in chunks:
+            feed.on_event(ev)
+
+    def drain(self) -> CutOff | None:
+        for _ in range(10_000):
+            ev = self.replica.service.next_event(self.watcher, 0.0)
+            if isinstance(ev, CutOff):
+                return ev
+            self.feed.on_event(ev)
+            if ev.WhichOneof("event") == "heartbeat":
+                return None
+        raise AssertionError("the stream never went idle")
+
+    def close(self) -> None:
+        self.replica.service.hub.close(self.watcher)
+
+
+def split(m: ShardMap, cmd: Command) -> dict[str, Command]:
+    """What each group's log gets of `cmd` (the sharded client's routing)."""
+    if isinstance(cmd, Publish):
+        return {
+            g: Publish(
+                cmd.node_id,
+                cmd.incarnation,
+                cmd.namespace,
+                cmd.tier,
+                [cmd.hashes[i] for i in p],
+                [cmd.addresses[i] for i in p],
+                [cmd.lengths[i] for i in p],
+                [cmd.rkeys[i] for i in p],
+                [cmd.generations[i] for i in p],
+            )
+            for g, p in m.positions_by_group(cmd.hashes).items()
+        }
+    if isinstance(cmd, Remove) and cmd.hashes:
+        n = len(cmd.hashes)
+        return {
+            g: Remove(
+                cmd.node_id,
+                cmd.incarnation,
+                cmd.namespace,
+                cmd.tier,
+                [cmd.hashes[i] for i in p],
+                [cmd.generations[i] for i in p] if len(cmd.generations) == n else [],
+                [cmd.addresses[i] for i in p] if len(cmd.addresses) == n else [],
+            )
+            for g, p in m.positions_by_group(cmd.hashes).items()
+        }
+    return {g.group_id: cmd for g in m.groups}
+
+
+def stray(m: ShardMap, into: str, cmd: Command) -> Command | None:
+    """A Publish of `cmd`'s blocks that group `into` does not own (the filter's test)."""
+    if not isinstance(cmd, Publish):
+        return None
+    p = [i for i, h in enumerate(cmd.hashes) if m.shard_of(h).group_id != into]
+    if not p:
+        return None
+    return Publish(
+        cmd.node_id,
+        cmd.incarnation,
+        cmd.namespace,
+        cmd.tier,
+        [cmd.hashes[i] for i in p],
+        [0xDEAD for _ in p],
+        [1 for _ in p],
+        [1 for _ in p],
+        [1 << 50 for _ in p],
+    )
+
+
+@pytest.mark.parametrize("groups", [2, 3])
+@pytest.mark.parametrize("seed", range(6))
+def test_union_equals_the_whole_log(groups: int, seed: int) -> None:
+    rng = random.Random(seed)
+    log = Workload(seed).run(LOG)
+    m = even_map([Group(f"g{i}", (f"127.0.0.1:{i + 1}",)) for i in range(groups)], 2)
+    limits = WatchLimits(history_entries_max=24, buffer_entries_max=64)
+    reps = {g.group_id: LocalReplica(limits) for g in m.groups}
+    whole = Table()
+    mirror = ShardedMirror(m, clock=Clock())
+    feeds: dict[str, Feed] = {}
+    strays = 0
+    start = rng.randrange(LOG // 3)
+    for i, blob in enumerate(log.entries):
+        cmd = codec.decode(blob)
+        whole.apply(cmd)
+        for g, part in split(m, cmd).items():
+            reps[g].write(part)
+        if rng.random() < 0.15:
+            into = rng.choice(sorted(reps))
+            bad = stray(m, into, cmd)
+            if bad is not None:
+                reps[into].write(bad)
+                strays += 1
+        if i == start:
+            feeds = {g: Feed(r, mirror.feeds[g]) for g, r in reps.items()}
+        if feeds and rng.random() < 0.2:
+            g = rng.choice(sorted(feeds))
+            if rng.random() < 0.2:  # the stream broke: resume (history or snapshot)
+                feeds[g].close()
+                feeds[g] = Feed(reps[g], mirror.feeds[g])
+            if feeds[g].drain() is not None:
+                feeds[g].close()
+                feeds[g] = Feed(reps[g], mirror.feeds[g])
+                assert feeds[g].drain() is None
+    for g in sorted(feeds):
+        if feeds[g].drain() is not None:
+            feeds[g].close()
+            feeds[g] = Feed(reps[g], mirror.feeds[g])
+            assert feeds[g].drain() is None
+    assert all(f.applied_index == reps[g].index for g, f in mirror.feeds.items())
+    assert entries_digest([mirror.table]) == entries_digest([whole])
+    for ns, hs in log.chains:
+        want = [(x.node.node_id, x.prefix_blocks) for x in whole.lookup(ns, hs, 8)]
+        assert mirror.prefix_lengths(ns, Chain.of(hs), 8) == want
+        got = mirror.lookup(pb_ns(ns), hs, 8)
+        assert [(x.node_id, x.prefix_blocks) for x in got.matches] == want
+    assert sum(f.snapshots for f in mirror.feeds.values()) >= groups
+
+
+def test_a_stale_group_cuts_chains_and_all_stale_is_not_served() -> None:
+    log = Workload(3).run(LOG)
+    m = even_map([Group("g0", ("a:1",)), Group("g1", ("b:1",))], 1)
+    reps = {g.group_id: LocalReplica() for g in m.groups}
+    whole = Table()
+    for blob in log.entries:
+        cmd = codec.decode(blob)
+        whole.apply(cmd)
+        for g, part in split(m, cmd).items():
+            reps[g].write(part)
+    clock = Clock()
+    mirror = ShardedMirror(m, max_staleness_s=1.0, clock=clock)
+    feeds = {g: Feed(r, mirror.feeds[g]) for g, r in reps.items()}
+    for f in feeds.values():
+        f.drain()
+    clock.t += 0.5
+    feeds["g0"].drain()  # g0 heard from; g1 silent for 1.5 s from here
+    clock.t += 1.0
+    assert mirror.feeds["g0"].lag().fresh and not mirror.feeds["g1"].lag().fresh
+    for ns, hs in log.chains:
+        first = m.positions_by_group(hs).get("g1", [len(hs)])[0]
+        want = [(x.node.node_id, x.prefix_blocks) for x in whole.lookup(ns, hs[:first], 8)]
+        got = mirror.prefix_lengths(ns, Chain.of(hs), 8) if first else []
+        assert got == (want if first else [])
+        assert [(x.node_id, x.prefix_blocks) for x in mirror.lookup(pb_ns(ns), hs).matches] == (
+            want if first else []
+        )
+    clock.t += 1.0
+    with pytest.raises(NotServed):
+        mirror.lookup(pb_ns(log.chains[0][0]), log.chains[0][1])
