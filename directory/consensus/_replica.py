@@ -38,6 +38,7 @@ from kvdir.directory.consensus.fixes import (
     rejection_hint,
 )
 from kvdir.directory.consensus.pysyncobj_log import DUMP_FILE, STAGED_DUMP_SUFFIX
+from kvdir.directory.consensus.stall import TickWatch
 from kvdir.directory.consensus.sync import REAL, Durability, Syncer
 from kvdir.directory.consensus.transport import FencedTransport, with_framing
 from kvdir.directory.consensus.tuning import RaftTuning
@@ -165,6 +166,9 @@ class Replica(DurableSyncObj):
         self._keepalive_s = tuning.keepalive_s
         self._leader_loss_spread_s = tuning.election_max_s - tuning.election_min_s
         self._election_s = (tuning.election_min_s, tuning.election_max_s)
+        self.ticks = TickWatch(tuning.election_min_s / 2)
+        """Half the shortest election timeout: a gap this long eats most of a follower's
+        patience, and a leader's twice as long is an election."""
         self._next_keepalive = 0.0
         self._reject_floor: int | None = None
         self._proven_end: int | None = None
@@ -190,6 +194,8 @@ class Replica(DurableSyncObj):
         Pinging keeps every link warm. Runs on the Raft thread (the transport
         is not thread-safe).
         """
+        if self.hooks.auto_tick:  # the simulator's ticks run on its own clock
+            self._watch_tick()
         if self._joining:
             # Until the leader adds it, a joining replica's dials are refused right
             # after they connect; campaigning meanwhile would only inflate its term,
@@ -205,6 +211,18 @@ class Replica(DurableSyncObj):
             transport = self._SyncObj__transport
             for node in list(self.otherNodes):
                 transport.send(node, _KEEPALIVE)
+
+    def _watch_tick(self) -> None:
+        stall = self.ticks.tick(raft_clock(), self.kvdir_journal.stats.sync_s)
+        if stall is not None:
+            log.warning(
+                "raft thread stalled",
+                extra={
+                    "gap_ms": round(stall.gap_s * 1e3, 1),
+                    "fdatasync_ms": round(stall.fdatasync_s * 1e3, 1),
+                    "role": self.role(),
+                },
+            )
 
     def _SyncObj__onNodeDisconnected(self, node: Any) -> None:  # noqa: N802
         """A lost link to the leader starts the election early (within a random spread).
