@@ -5,6 +5,8 @@ commands; pysyncobj then compacts each replica only inside its own window.
 Throughout, a writer keeps publishing, a prober times lookups on every
 replica and a watcher polls every replica's term and leader, so the report
 can say whether the compaction caused an election and what it cost callers.
+The replicas' "raft thread stalled" lines across it say what held their Raft
+threads (a tick gap, and how much of it was the journal's fdatasync).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from bench.directory.cluster import FILLER_NODE, NAMESPACE, PUBLISH, Bench
 from bench.directory.threads import Prober, StatusWatch, retire_writer, start_writer
 from bench.measure import deadline_loop, say
 from bench.workers import CallTask
+from kvdir.core.client import lookup_request
 from kvdir.directory.consensus.tuning import RaftTuning
 from kvdir.local import Replica
 from kvdir.v1 import directory_pb2 as pb
@@ -27,7 +30,8 @@ FILL_ROUNDS_MAX = 4
 FILL_MARGIN = 200
 """Grow the logs this many entries past the threshold."""
 SETTLE_S = 2.0
-"""After the first compaction, how long to wait for the other replicas' lines."""
+"""After the first compaction (`--only compaction`: every replica's), how long to wait
+for more lines."""
 ACROSS_S = 5.0
 """'Across the compaction': this long before it began to this long after it ended."""
 DURING_S = 0.5
@@ -116,14 +120,17 @@ def _fill(b: Bench, threshold: int) -> int:
     return filled
 
 
-def _wait_done(b: Bench, before: dict[str, int], bound_s: float) -> dict[str, list[Any]]:
-    """The new 'compaction done' lines per replica, once they stopped coming."""
+def _wait_done(
+    b: Bench, before: dict[str, int], bound_s: float, replicas: int
+) -> dict[str, list[Any]]:
+    """The new 'compaction done' lines per replica, once they stopped coming (or once
+    `replicas` replicas compacted, then SETTLE_S)."""
     done: dict[str, list[dict[str, Any]]] = {}
     t_done: float | None = None
     for _ in deadline_loop(bound_s, POLL_S, polls_max=int(bound_s / POLL_S) + 1):
         now = time.monotonic()
         done = {k: v[before[k] :] for k, v in logs.compaction_logs(b).items() if len(v) > before[k]}
-        if done and t_done is None:
+        if len(done) >= replicas and t_done is None:
             t_done = now
         if t_done is not None and now - t_done > SETTLE_S:
             break
@@ -136,6 +143,8 @@ def _collect(b: Bench, tuning: RaftTuning, watch: _Watch) -> None:
     # Watch from the start: with short overrides a compaction may come during the fill.
     status = StatusWatch(b.statuses, max_s=bound)
     addrs = {r.replica_id: r.grpc_address for r in b.cluster.replicas}
+    if not b.lookup_reqs:  # the lookup phases did not run (`--only compaction`)
+        b.lookup_reqs = [lookup_request(NAMESPACE, b.shape.chain_hashes(0)).SerializeToString()]
     prober = Prober(addrs, b.lookup_reqs[0], max_s=bound)
     w = start_writer(b, max_s=bound)
     status.start()
@@ -150,7 +159,11 @@ def _collect(b: Bench, tuning: RaftTuning, watch: _Watch) -> None:
             f"{ {k: round(v, 1) for k, v in watch.waits.items()} }"
         )
         wait_bound = min(watch.waits.values()) + 0.1 * tuning.compaction_min_time_s + 60
-        watch.done = _wait_done(b, before, wait_bound)
+        replicas = 1
+        if b.cfg.only == "compaction":  # every replica's compaction, the leader's among them
+            wait_bound = max(watch.waits.values()) + 0.1 * tuning.compaction_min_time_s + 60
+            replicas = len(b.cluster.replicas)
+        watch.done = _wait_done(b, before, wait_bound, replicas)
     finally:
         prober.finish()
         status.finish()
@@ -213,11 +226,36 @@ def _across(b: Bench, watch: _Watch, c_start: float, c_end: float, offset: float
             and not near_roles
             and len({p[1] for p in near}) == len(rids)
         ),
-        "across_window": f"from {ACROSS_S:.0f} s before the compaction began (or the phase "
-        f"start, if later) to {ACROSS_S:.0f} s after its dump was written",
+        "across_window": f"from {ACROSS_S:.0f} s before the first compaction listed began (or "
+        f"the phase start, if later) to {ACROSS_S:.0f} s after the last one's dump was written",
         "terms_seen_whole_phase": {
             rid: sorted({p[2] for p in watch.polls if p[1] == rid}) for rid in rids
         },
+    }
+
+
+def _stalls(b: Bench, lo_wall: float, hi_wall: float) -> dict[str, Any]:
+    """Each replica's 'raft thread stalled' lines between two wall times."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in b.cluster.replicas:
+        lines = [x for x in logs.read_log(r.log_path) if x.get("msg") == "raft thread stalled"]
+        out[r.replica_id] = [
+            {k: x.get(k) for k in ("ts", "gap_ms", "fdatasync_ms", "role")}
+            for x in lines
+            if lo_wall <= logs.log_time(x) <= hi_wall
+        ]
+    longest = {
+        rid: max(v, key=lambda x: float(x["gap_ms"] or 0), default=None) for rid, v in out.items()
+    }
+    return {
+        "raft_stalls_across": out,
+        "raft_stall_longest_across": {
+            rid: None if x is None else {"gap_ms": x["gap_ms"], "fdatasync_ms": x["fdatasync_ms"]}
+            for rid, x in longest.items()
+        },
+        "raft_stall_gap_ms_max_across": max(
+            (float(x["gap_ms"] or 0) for v in out.values() for x in v), default=0.0
+        ),
     }
 
 
@@ -236,8 +274,8 @@ def _during(b: Bench, watch: _Watch, c_start: float, c_end: float) -> dict[str, 
         "writes_during": len(write_lat),
         "write_latency_max_ms_during": max(write_lat) * 1e3 if write_lat else math.nan,
         "lookup_latency_max_ms_during": {k: v * 1e3 for k, v in probe.items()},
-        "during_window": f"from {DURING_S} s before the compaction began to {DURING_S} s "
-        "after its dump was written",
+        "during_window": f"from {DURING_S} s before the first compaction listed began to "
+        f"{DURING_S} s after the last one's dump was written",
     }
 
 
@@ -258,10 +296,10 @@ def run(b: Bench) -> None:
         raise RuntimeError(b.results["compaction"]["error"])
     events = _events(watch.done)
     first = min(events, key=lambda e: e["_end_wall"])
-    # Map the compaction's wall-clock span onto time.monotonic() for the samples.
+    # Map the compactions' wall-clock span onto time.monotonic() for the samples.
     offset = time.time() - time.monotonic()
-    c_end = first["_end_wall"] - offset
-    c_start = c_end - float(first["total_s"] or 0)
+    c_end = max(e["_end_wall"] for e in events) - offset
+    c_start = min(e["_end_wall"] - float(e["total_s"] or 0) for e in events) - offset
     for e in events:
         del e["_end_wall"]
     b.results["compaction"] = {
@@ -277,10 +315,12 @@ def run(b: Bench) -> None:
         "capture_s": first["capture_s"],
         "total_s": first["total_s"],
         **_across(b, watch, c_start, c_end, offset),
+        **_stalls(b, max(c_start - ACROSS_S, watch.phase_t0) + offset, c_end + ACROSS_S + offset),
         **_during(b, watch, c_start, c_end),
     }
     say(
         f"  {first['replica']} compacted {first['entries']:,} entries: capture "
         f"{first['capture_s']}s, total {first['total_s']}s; "
-        f"terms {b.results['compaction']['terms_seen']}"
+        f"terms {b.results['compaction']['terms_seen']}; longest Raft tick gap per replica "
+        f"(ms, of which fdatasync) {b.results['compaction']['raft_stall_longest_across']}"
     )

@@ -11,6 +11,9 @@ from bench.command import add_quick_and_out_dir
 from kvdir import report
 from kvdir.directory.consensus.tuning import RaftTuning
 
+ONLY = {"compaction": ("publish load", "compaction")}
+"""`--only` choices: the phases each runs (the load first: the others need the table)."""
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
@@ -60,6 +63,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run the replicas with this RaftTuning.compaction_min_time_s",
     )
     p.add_argument("--skip-memory", action="store_true", help="skip the 10M-entry table run")
+    p.add_argument(
+        "--only",
+        choices=sorted(ONLY),
+        default=None,
+        help="run only the load (--entries) and this phase; no table-memory run "
+        "(compaction: the publish load on, terms and Raft tick stalls across it)",
+    )
     add_quick_and_out_dir(p, "directory")
     p.add_argument(
         "--dir",
@@ -82,6 +92,7 @@ class Config:
     compaction_min_entries: int | None
     compaction_min_time_s: float | None
     skip_memory: bool
+    only: str | None
     quick: bool
     out_dir: Path
     data_dir: str | None
@@ -124,7 +135,8 @@ def resolve(args: argparse.Namespace) -> Config:
         publish_inflight=args.publish_inflight,
         compaction_min_entries=pick(args.raft_compaction_min_entries, None, 500),
         compaction_min_time_s=pick(args.raft_compaction_min_time_s, None, 15.0),
-        skip_memory=bool(args.skip_memory),
+        skip_memory=bool(args.skip_memory) or args.only is not None,
+        only=args.only,
         quick=q,
         out_dir=out_dir,
         data_dir=args.dir,

@@ -230,7 +230,8 @@ COMPACTION_ACROSS = (
     "During the compaction ({cp[during_window]}): "
     "{cp[writes_during]!s} writes, slowest "
     "{cp[write_latency_max_ms_during]} ms; slowest probe lookup per "
-    "replica (ms) {probes}."
+    "replica (ms) {probes}. Raft tick gaps over half the election timeout "
+    "across it ('raft thread stalled' lines), longest per replica: {stalls}."
 )
 ELECTIONS_TEXT = (
     "{el[total]!s} leader elections in the replica logs: {el[after_kill]!s} after a "
@@ -351,7 +352,17 @@ def _compaction(cp: dict[str, Any]) -> dict[str, Any]:
         ),
         "probes": {k: report.fmt(v) for k, v in cp["lookup_latency_max_ms_during"].items()},
         "election_verdict": "no election" if cp["no_election"] else "**an election happened**",
+        "stalls": _stall_text(cp.get("raft_stall_longest_across")),
     }
+
+
+def _stall_text(longest: dict[str, Any] | None) -> str:
+    if longest is None:
+        return "not recorded"
+    return ", ".join(
+        f"{rid} none" if x is None else f"{rid} {x['gap_ms']} ms ({x['fdatasync_ms']} ms fdatasync)"
+        for rid, x in longest.items()
+    )
 
 
 def _memory(mem: dict[str, Any]) -> dict[str, Any]:

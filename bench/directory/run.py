@@ -27,7 +27,7 @@ from bench.directory import (
 )
 from bench.directory import report as directory_report
 from bench.directory.cluster import Bench, make_cluster
-from bench.directory.config import Config, resolve
+from bench.directory.config import ONLY, Config, resolve
 from bench.host import load_average
 from bench.measure import say
 from bench.workers import WorkerPool
@@ -82,7 +82,8 @@ def run_phases(b: Bench) -> None:
     hb = publish.register(b)
     try:
         for phase in PHASES:
-            timed(b, phase)
+            if b.cfg.only is None or phase.name in ONLY[b.cfg.only]:
+                timed(b, phase)
         b.results["memory"]["replicas"]["rss_bytes_end"] = b.rss()
     finally:
         hb.stop_ev.set()
@@ -126,6 +127,7 @@ def config_record(cfg: Config) -> dict[str, Any]:
         "quick": cfg.quick,
         "seed": cfg.seed,
         "skip_memory": cfg.skip_memory,
+        "only": cfg.only,
     }
 
 
@@ -149,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
     data["header"]["source_fingerprint_end"] = report.source_fingerprint()
     data["targets"] = [t.as_dict() for t in directory_report.targets(results)]
     md = directory_report.markdown(data)
-    md_path, js_path = report.write(cfg.out_dir, f"directory-{started:%Y-%m-%d}", md, data)
+    stem = "directory" if cfg.only is None else f"directory-{cfg.only}"
+    md_path, js_path = report.write(cfg.out_dir, f"{stem}-{started:%Y-%m-%d}", md, data)
     print(md)
     say(f"wrote {md_path} and {js_path}")
     if tmp is not None and "error" not in data:
