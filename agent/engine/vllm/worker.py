@@ -5,8 +5,10 @@ Load (a background thread per worker; the forward pass never waits on it):
    slot headers read before and after the copy must be equal, STORED, with the
    block's hash; the first block that fails ends the local part;
 2. the rest is fetched by the agent from the best peer into reserved pool
-   slots (validated by the agent against the holder's headers after the
-   read, as for every fetch) and copied into vLLM blocks; those slots are
+   slots, on the load ticket of the scheduler side's lookup (the agent reads
+   the holders it names without asking the directory again; validated
+   against the holder's headers after the read, as for every fetch) and
+   copied into vLLM blocks; those slots are
    then announced stored, so the fetched blocks stay in the pool and are
    published;
 3. every vLLM block past the valid prefix is reported as a load error, so
@@ -29,9 +31,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from kvdir.agent.engine.vllm.namespace import KvShape
+from kvdir.agent.engine.vllm.seam import AgentSeam, AgentUnavailable
 from kvdir.agent.pool import STORED, read_header
-from kvdir.agent.vllm.namespace import KvShape
-from kvdir.agent.vllm.seam import AgentSeam, AgentUnavailable
 
 Announce = tuple[tuple[bytes, ...], tuple[int, ...]]
 """(hashes, slots) whose bytes are in the pool: to be announced stored."""
@@ -83,6 +85,8 @@ class LoadJob:
     """vLLM block ids of blocks start_block..end_block-1."""
     pool_slots: tuple[int, ...]
     """This node's pool slots of the chain's leading blocks (from the lookup)."""
+    ticket: bytes = b""
+    """The lookup's load ticket: the peer part is fetched on it, with no second lookup."""
 
     @property
     def end_block(self) -> int:
@@ -279,7 +283,7 @@ class WorkerSide:
         if not slots:
             return trace
         try:
-            r = self.seam.fetch(job.hashes[: got + len(slots)], got, slots)
+            r = self.seam.fetch(job.hashes[: got + len(slots)], got, slots, job.ticket)
         except AgentUnavailable:
             self._give_back(slots)
             return trace

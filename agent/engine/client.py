@@ -53,6 +53,11 @@ class PoolChanged(EngineError):
     """The agent serves another epoch of this pool than the one mapped here."""
 
 
+class Refused(EngineError):
+    """The agent refused this request as invalid (INVALID_ARGUMENT: the message says
+    why), e.g. a load ticket it did not issue; the agent itself is fine."""
+
+
 @dataclass(frozen=True, slots=True)
 class Allocation:
     slots: list[int]
@@ -111,7 +116,7 @@ class EngineClient:
             self._channel.close()
             raise PoolChanged(f"cannot map the agent's pools: {e}") from e
         self.device_transports = {t.name: dict(t.params) for t in resp.transports}
-        """The agent's cuda descriptor, when it has GPU pools (agent/gpu_kv.py maps them)."""
+        """The agent's cuda descriptor, when it has GPU pools (agent/engine/gpu_kv.py maps them)."""
         self._queue: deque[_Item] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -138,6 +143,8 @@ class EngineClient:
             details = e.details() or e.code().name
             if e.code() == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(STALE_EPOCH):
                 raise PoolChanged(f"{method}: {details}") from e
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise Refused(f"{method}: {details}") from e
             raise EngineError(f"{method}: {details}") from e
 
     @staticmethod
@@ -316,9 +323,11 @@ class EngineClient:
         slots: Sequence[int],
         timeout_ms: int = 0,
         skip_blocks: int = 0,
+        ticket: bytes = b"",
     ) -> apb.FetchResponse:
         """Pull chain[skip_blocks:] from a peer into `slots`; `valid_blocks` leading
-        blocks (counted from skip_blocks) are valid."""
+        blocks (counted from skip_blocks) are valid. `ticket`: the load ticket of
+        this chain's `lookup` (the agent then reads without a directory lookup)."""
         pool = self._pool(ns)
         req = apb.FetchRequest(
             namespace=ns,
@@ -328,6 +337,7 @@ class EngineClient:
             skip_blocks=skip_blocks,
             epoch=pool.epoch,
             pid=self.pid,
+            ticket=ticket,
         )
         # The agent's own deadline comes first; ours only covers the local hop.
         resp = self._call("Fetch", req, (timeout_ms / 1000 + 1.0) if timeout_ms else None)

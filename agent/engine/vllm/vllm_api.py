@@ -23,7 +23,7 @@ from typing import Any
 
 import vllm
 
-from kvdir.agent.vllm import compat
+from kvdir.agent.engine.vllm import compat
 from kvdir.transfer.kv_layout import predicted_order
 
 SERIES = compat.check(vllm.__version__)

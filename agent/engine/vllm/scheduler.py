@@ -19,8 +19,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvdir.agent.vllm.config import ConnectorConfig
-from kvdir.agent.vllm.plan import (
+from kvdir.agent.engine.vllm.config import ConnectorConfig
+from kvdir.agent.engine.vllm.plan import (
     NOTHING,
     Found,
     LoadPlan,
@@ -29,8 +29,8 @@ from kvdir.agent.vllm.plan import (
     plan_load,
     pool_only,
 )
-from kvdir.agent.vllm.seam import AgentSeam, AgentUnavailable
-from kvdir.agent.vllm.worker import LoadJob, SaveJob
+from kvdir.agent.engine.vllm.seam import AgentSeam, AgentUnavailable
+from kvdir.agent.engine.vllm.worker import LoadJob, SaveJob
 
 log = logging.getLogger("kvdir.vllm")
 
@@ -190,6 +190,7 @@ class SchedulerSide:
             start_block=plan.start_block,
             block_ids=tuple(block_ids[plan.start_block : end]),
             pool_slots=found.pool_slots,
+            ticket=found.ticket if plan.peer_blocks > 0 else b"",
         )
         self._loads.append(job)
         self._attempted.add(req_id)

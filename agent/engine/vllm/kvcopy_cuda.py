@@ -4,7 +4,7 @@ A CUDA engine's pool must be GPU tier (``tier = "gpu"`` in the agent's
 [[pools]]): its slots live in the agent's device memory, mapped here over
 CUDA IPC, with each slot's header and host copy in the pool file the engine
 maps anyway (agent/gpu_pool.py). Every move is one kernel for every layer and
-every block of the batch (agent/gpu_kv.py over transfer/cuda_blocks.py),
+every block of the batch (agent/engine/gpu_kv.py over transfer/cuda_blocks.py),
 following the caches' real strides (transfer/kv_layout.py):
 
 - load: tier slots -> vLLM blocks on a load stream; returns once the bytes
@@ -31,9 +31,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kvdir.agent.gpu_kv import GpuKvMover, GpuPathError, map_tier
-from kvdir.agent.vllm.namespace import KvShape, NamespaceError
-from kvdir.agent.vllm.seam import AgentSeam
+from kvdir.agent.engine.gpu_kv import GpuKvMover, GpuPathError, map_tier
+from kvdir.agent.engine.vllm.namespace import KvShape, NamespaceError
+from kvdir.agent.engine.vllm.seam import AgentSeam
 from kvdir.transfer.kv_layout import LayoutError, cache_layout
 
 CUDA_TRANSPORT = "cuda"

@@ -25,8 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
-from kvdir.agent.vllm.scheduler import LookupCounts
-from kvdir.agent.vllm.worker import Stats
+from kvdir.agent.engine.vllm.scheduler import LookupCounts
+from kvdir.agent.engine.vllm.worker import Stats
 
 SCALARS = (
     "saved_blocks",

@@ -1,15 +1,18 @@
 """The connector's seam with the node agent: the few verbs it needs, and nothing else.
 
     lookup(chain)                -> Found      this node's pool prefix + the best peer prefix
+                                               (+ the agent's load ticket for the peer part)
     reserve(n)                   -> slots      pool slots to write into (evicting LRU blocks)
-    fetch(chain, skip, slots)    -> Fetched    a peer's blocks chain[skip:] into those slots
+    fetch(chain, skip, slots, ticket) -> Fetched  a peer's blocks chain[skip:] into those
+                                               slots, read on the lookup's ticket (no second
+                                               directory lookup; a refused ticket is a miss)
     stored(hashes, slots)                      the slots hold these blocks: keep and publish
     release(slots)                             give unused slots back
 
 Errors: every verb raises AgentUnavailable (and nothing else) when the agent
 cannot be reached or answers an error; after one, `available()` is False
 for `agent_retry_s` so callers answer "nothing to load" without asking.
-The pool mapping is the engine library's (agent/engine_client.py): bytes
+The pool mapping is the engine library's (agent/engine/client.py): bytes
 never cross the socket. `stored` only queues (engine_client ships batches).
 
 Pool epochs (agent/pool.py). When the agent answers for another epoch of the
@@ -34,11 +37,17 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvdir.agent.engine_client import EngineClient, EngineError, PoolChanged, _AttachedPool
+from kvdir.agent.engine.client import (
+    EngineClient,
+    EngineError,
+    PoolChanged,
+    Refused,
+    _AttachedPool,
+)
+from kvdir.agent.engine.vllm.config import ConnectorConfig
+from kvdir.agent.engine.vllm.namespace import NamespaceError, describe
+from kvdir.agent.engine.vllm.plan import Found
 from kvdir.agent.pool import KvPool
-from kvdir.agent.vllm.config import ConnectorConfig
-from kvdir.agent.vllm.namespace import NamespaceError, describe
-from kvdir.agent.vllm.plan import Found
 from kvdir.core.wire import namespace_key
 from kvdir.v1 import directory_pb2 as pb
 
@@ -184,7 +193,7 @@ class AgentSeam:
         except EngineError as e:
             raise self._failed(e) from e
         peer = max((p.prefix_blocks for p in resp.peers), default=0)
-        return Found(tuple(resp.local_slots), peer, answered=True)
+        return Found(tuple(resp.local_slots), peer, answered=True, ticket=resp.ticket)
 
     def reserve(self, count: int) -> list[int]:
         client = self.attach()
@@ -194,10 +203,21 @@ class AgentSeam:
         except EngineError as e:
             raise self._failed(e) from e
 
-    def fetch(self, chain: Sequence[bytes], skip: int, slots: Sequence[int]) -> Fetched:
+    def fetch(
+        self, chain: Sequence[bytes], skip: int, slots: Sequence[int], ticket: bytes = b""
+    ) -> Fetched:
         client = self.attach()
         try:
-            r = client.fetch(self.ns, chain, slots, self.cfg.load_timeout_ms, skip_blocks=skip)
+            r = client.fetch(
+                self.ns, chain, slots, self.cfg.load_timeout_ms, skip_blocks=skip, ticket=ticket
+            )
+        except Refused as e:
+            if not ticket:
+                raise self._failed(e) from e
+            # The agent is fine; this ticket is not (issued before it restarted, or
+            # damaged on the way): these blocks are recomputed, nothing backs off.
+            log.warning("kvdir: the agent refused a load ticket; recomputing: %s", e)
+            return Fetched(0)
         except EngineError as e:
             raise self._failed(e) from e
         if not self.pool_is_current():  # replaced after it answered: not our file's bytes

@@ -22,11 +22,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+from kvdir.agent.limits import CHAIN_BLOCKS_MAX
+
 LOOKUP_TIMEOUT_MS_MAX = 10_000
 LOAD_TIMEOUT_MS_MAX = 120_000
 SAVE_RESERVE_SLOTS_MAX = 65_536
-CHAIN_BLOCKS_MAX = 4096
-"""The agent's bound on one chain (agent/service.py): longer prompts load their first part."""
 
 
 class ConnectorConfigError(ValueError):

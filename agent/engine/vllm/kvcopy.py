@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from kvdir.agent.engine.vllm.namespace import KvShape, NamespaceError, dtype_name
 from kvdir.agent.pool import KvPool
-from kvdir.agent.vllm.namespace import KvShape, NamespaceError, dtype_name
 
 
 def shape_of(kv_caches: dict[str, torch.Tensor], device: str) -> KvShape:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kvdir.agent.vllm.plan import PREFILL_SAMPLE_TOKENS_MIN
+from kvdir.agent.engine.vllm.plan import PREFILL_SAMPLE_TOKENS_MIN
 
 STEP_TIMINGS_MAX = 64
 """Timed forward passes not yet completed that a worker keeps (past this it times none)."""

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvdir.agent.vllm.config import CHAIN_BLOCKS_MAX
+from kvdir.agent.limits import CHAIN_BLOCKS_MAX
 
 RECENT_SAVES_MAX = 65_536
 """Hashes this engine saved lately, so a prefix shared in one batch is saved once."""
@@ -29,6 +29,9 @@ class Found:
     """The longest prefix any peer holds."""
     answered: bool = False
     """False when the agent or the directory did not answer in time (nothing loads)."""
+    ticket: bytes = b""
+    """The agent's load ticket for the peer part (opaque; its Fetch reads on it
+    without a second directory lookup). Empty: no peer holds more than the pool."""
 
     @property
     def pool_blocks(self) -> int:
