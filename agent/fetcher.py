@@ -2,7 +2,9 @@
 
 1. Directory lookup of the chain (local read), excluding ourselves: from the
    agent's in-process mirror while it is fresh, else a replica
-   (agent/directory_reads.py).
+   (agent/directory_reads.py). A fetch that brings a load ticket (the
+   holders the engine's own lookup found, agent/tickets.py) skips this step:
+   one directory lookup per load.
 2. Holder choice (agent/holders.py): longest prefix, then the cheapest path
    (same-host GPU over CUDA IPC, remote GPU (unverified, behind a flag), the
    holder's host copy), then same host, then random; peers that failed
@@ -34,6 +36,7 @@ import numpy as np
 from kvdir.agent import holders
 from kvdir.agent.directory_reads import DirectoryReads
 from kvdir.agent.gpu_pool import GpuTier, slot_of
+from kvdir.agent.limits import HOLDERS_TRIED_MAX
 from kvdir.agent.pool import HEADER_BYTES, KvPool, valid_prefix
 from kvdir.core.client import DirectoryError, records
 from kvdir.core.security import PLAIN, ClientSecurity
@@ -49,7 +52,8 @@ from kvdir.v1 import directory_pb2 as pb
 log = logging.getLogger("kvdir.agent.fetch")
 
 PEER_COOLDOWN_S = 5.0
-HOLDERS_TRIED_MAX = 3
+LOOKUP_NODES_MAX = 8
+"""Holders one fetch's (or the engine's) directory lookup asks for, records included."""
 HANDSHAKE_TIMEOUT_S = 2.0
 
 
@@ -211,10 +215,12 @@ class Fetcher:
         timeout_s: float | None = None,
         gpu: GpuTier | None = None,
         skip: int = 0,
+        ticket_holders: Sequence[pb.NodeMatch] | None = None,
     ) -> FetchResult:
         """Pull chain[skip:] into `slots` of `pool` (the caller holds chain[:skip]
         already; the lookup still matches the whole chain from block 0). With `gpu`,
-        into its GPU tier: the slots' KV then lives in device memory."""
+        into its GPU tier: the slots' KV then lives in device memory. With
+        `ticket_holders` (a load ticket's, best first), read from them without a lookup."""
         if not 0 <= skip <= len(chain):
             raise FetchError(f"skip_blocks {skip} outside the chain of {len(chain)} blocks")
         if len(chain) - skip != len(slots):
@@ -231,13 +237,18 @@ class Fetcher:
         # *after* the data and `valid_prefix` keeps a block only if its header is still
         # STORED with this hash and the generation the answer carries; a reused slot
         # has a newer generation, so its bytes are never reported valid.
-        try:
-            resp = self.directory.lookup(ns, chain, exclude_node=self.node_id, max_nodes=8)
-        except DirectoryError as e:
-            log.warning("lookup for fetch failed", extra={"error": str(e)})
-            return FetchResult(seconds=time.perf_counter() - t0)
+        matches = ticket_holders
+        if matches is None:
+            try:
+                resp = self.directory.lookup(
+                    ns, chain, exclude_node=self.node_id, max_nodes=LOOKUP_NODES_MAX
+                )
+            except DirectoryError as e:
+                log.warning("lookup for fetch failed", extra={"error": str(e)})
+                return FetchResult(seconds=time.perf_counter() - t0)
+            matches = resp.matches
         result = FetchResult()
-        for cand in self._candidates(resp.matches, gpu is not None)[:HOLDERS_TRIED_MAX]:
+        for cand in self.candidates(matches, gpu is not None)[:HOLDERS_TRIED_MAX]:
             match = cand.match
             left = deadline - time.perf_counter()
             if left <= 0:
@@ -253,9 +264,10 @@ class Fetcher:
         result.seconds = time.perf_counter() - t0
         return result
 
-    def _candidates(
+    def candidates(
         self, matches: Sequence[pb.NodeMatch], gpu_pool: bool
     ) -> list[holders.Candidate]:
+        """Usable holders among `matches`, best first (what a fetch tries, in order)."""
         reader = holders.Reader(
             self.host, gpu_pool, "cuda" in self.peers.engine.transports, self.rdma_gpu
         )

@@ -8,6 +8,11 @@ caller sends can take the agent down.
 
 Every slot the agent hands out is recorded as its caller's (agent/owners.py);
 `AgentCore.reclaim_dead` frees the slots of engines that are gone.
+
+One lookup per load: the engine's Lookup answers with a load ticket (the best
+holders and their records, agent/tickets.py) and its Fetch brings it back, so
+the fetch reads without asking the directory again. A malformed or foreign
+ticket is INVALID_ARGUMENT; a stale one costs a miss (validation).
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ from typing import NoReturn, cast
 
 import grpc
 
-from kvdir.agent.fetcher import Fetcher, FetchError
+from kvdir.agent.fetcher import LOOKUP_NODES_MAX, Fetcher, FetchError
 from kvdir.agent.gpu_pool import GpuTier
+from kvdir.agent.limits import CHAIN_BLOCKS_MAX, TICKET_HOLDERS_MAX
 from kvdir.agent.metrics import AgentMetrics
 from kvdir.agent.owners import NO_OWNER, Owner, alive, owner_of
 from kvdir.agent.pool import STALE_EPOCH, STORED, KvPool, PoolError, SlotHeader
 from kvdir.agent.publisher import Publisher
+from kvdir.agent.tickets import BadTicket, StaleTicket, Tickets
 from kvdir.core.security import current_identity
 from kvdir.core.wire import AGENT_WIRE_VERSION, BadNamespace, namespace_key
 from kvdir.transfer.base import Region
@@ -37,7 +44,6 @@ from kvdir.v1 import directory_pb2 as pb
 
 log = logging.getLogger("kvdir.agent")
 
-CHAIN_BLOCKS_MAX = 4096
 NOTIFY_ENTRIES_MAX = 65536
 
 
@@ -178,6 +184,8 @@ class AgentCore:
         self.publisher = publisher
         self.fetcher = fetcher
         self.metrics = metrics
+        self.tickets = Tickets()
+        """Signs the load tickets this process issues (a restart invalidates them)."""
 
     def pool_of(self, ns: pb.Namespace, context: grpc.ServicerContext, epoch: int = 0) -> PoolState:
         """The namespace's pool; a caller naming another epoch (0: none) is refused."""
@@ -432,7 +440,10 @@ class EngineService(apb_grpc.EngineServicer):
             # the connector's scheduler side costs one local RPC and no directory load.
             try:
                 found = self.core.fetcher.directory.lookup(
-                    request.namespace, chain, exclude_node=self.core.node_id, omit_records=True
+                    request.namespace,
+                    chain,
+                    max_nodes=LOOKUP_NODES_MAX,
+                    exclude_node=self.core.node_id,
                 )
             except Exception as e:  # the directory being down must not fail local answers
                 context.set_trailing_metadata((("kvdir-directory-error", str(e)[:200]),))
@@ -441,7 +452,19 @@ class EngineService(apb_grpc.EngineServicer):
                     resp.peers.add(
                         node_id=m.node_id, prefix_blocks=m.prefix_blocks, transports=m.transports
                     )
+                resp.ticket = self._ticket(state, request.namespace, found.matches, len(local))
         return resp
+
+    def _ticket(
+        self, state: PoolState, ns: pb.Namespace, matches: Sequence[pb.NodeMatch], local: int
+    ) -> bytes:
+        """The load ticket of the holders a fetch would try, when one holds more than
+        this node's pool (b"" otherwise: nothing to fetch)."""
+        cands = self.core.fetcher.candidates(matches, state.gpu is not None)
+        best = [c.match for c in cands[:TICKET_HOLDERS_MAX]]
+        if not best or best[0].prefix_blocks <= local:
+            return b""
+        return self.core.tickets.issue(ns_key(ns), state.pool.epoch, best)
 
     def Fetch(self, request: apb.FetchRequest, context: grpc.ServicerContext) -> apb.FetchResponse:
         state = self.core.pool_of(request.namespace, context, request.epoch)
@@ -450,6 +473,17 @@ class EngineService(apb_grpc.EngineServicer):
             _abort(
                 context, grpc.StatusCode.INVALID_ARGUMENT, f"chain over {CHAIN_BLOCKS_MAX} blocks"
             )
+        ticket_holders = None
+        if request.ticket:
+            try:
+                ticket_holders = self.core.tickets.check(
+                    request.ticket, ns_key(request.namespace), state.pool.epoch
+                )
+            except BadTicket as e:
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except StaleTicket:
+                self.core.metrics.fetches.labels("miss").inc()
+                return apb.FetchResponse(epoch=state.pool.epoch)
         timeout = request.timeout_ms / 1000 if request.timeout_ms else None
         owner = owner_of(request.pid) if request.pid else None
         with state.lock:  # the reaper decides under this lock too: one or the other wins
@@ -469,6 +503,7 @@ class EngineService(apb_grpc.EngineServicer):
                 timeout,
                 gpu=state.gpu,
                 skip=request.skip_blocks,
+                ticket_holders=ticket_holders,
             )
         except (FetchError, PoolError) as e:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -41,7 +41,7 @@ from typing import Any
 from bench.host import proc_cpu_s
 from bench.measure import ms_stats_from_ns, say
 from kvdir import report
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
 from kvdir.core.client import DirectoryClient, namespace
 from kvdir.core.hashing import block_chain
 from kvdir.core.mirror import Mirror

@@ -374,7 +374,7 @@ def wait_agent_sees(
     yet mean every agent's next lookup will. Callers about to make an engine load
     wait on this, not only on the replicas.
     """
-    from kvdir.agent.engine_client import EngineClient, EngineError
+    from kvdir.agent.engine.client import EngineClient, EngineError
 
     last: list[dict[str, int]] = [{}]
     client = EngineClient(engine_socket, timeout_s=5.0)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from bench.fuzz.targets import Grant, tcp_read
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
 from kvdir.agent.pool import Geometry
 from kvdir.core.client import DirectoryClient, DirectoryError, HolderRecords, namespace, records
 from kvdir.core.hashing import block_chain

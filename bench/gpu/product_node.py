@@ -3,8 +3,8 @@
 The process holds what a vLLM worker with the kvdir connector holds: the
 model's paged KV cache as vLLM's per-layer tensors ``[2, blocks, block_size,
 heads, head_dim]`` (bench/gpu/model.py, real torch CUDA tensors), the engine
-library attached to this node's agent (agent/engine_client.py), and the
-worker's GPU mover (agent/gpu_kv.py) over the agent's GPU tier. Everything
+library attached to this node's agent (agent/engine/client.py), and the
+worker's GPU mover (agent/engine/gpu_kv.py) over the agent's GPU tier. Everything
 between nodes goes through the product: the agent publishes to the
 directory, the reader's agent looks the chain up, picks the holder and path
 (agent/holders.py), reads over CUDA IPC into its GPU tier and validates the
@@ -30,8 +30,8 @@ import torch
 
 from bench.gpu.model import SHAPES, Engine, PagedKvCache
 from bench.gpu.node import chain_hashes, conversation
-from kvdir.agent.engine_client import EngineClient
-from kvdir.agent.gpu_kv import GpuKvMover, block_digest, map_tier
+from kvdir.agent.engine.client import EngineClient
+from kvdir.agent.engine.gpu_kv import GpuKvMover, block_digest, map_tier
 from kvdir.core.client import namespace
 from kvdir.core.wire import namespace_key
 from kvdir.transfer.cuda_blocks import external_stream

@@ -35,7 +35,7 @@ from bench.transfer.config import (
     Config,
 )
 from bench.transfer.raw import RawSocket
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
 from kvdir.core.client import DirectoryClient
 from kvdir.core.hashing import block_chain
 from kvdir.local import LocalAgent, LocalCluster

@@ -20,7 +20,7 @@ from typing import Any
 from bench.vllm.engine import BenchEngine
 from bench.vllm.model import BLOCK_TOKENS, Shape
 from bench.vllm.nodes import LOAD_TIMEOUT_MS, Nodes
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
 from kvdir.core.client import namespace
 from kvdir.core.hashing import vllm_block_digests
 from kvdir.local import wait_agent_sees, wait_for

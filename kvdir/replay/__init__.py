@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from kvdir import report
-from kvdir.agent.engine_client import EngineError
+from kvdir.agent.engine.client import EngineError
 from kvdir.core.client import DirectoryClient, DirectoryError
 from kvdir.local import ClusterError
 from kvdir.replay import plots, results

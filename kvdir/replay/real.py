@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
 from kvdir.core.client import DirectoryClient, namespace
 from kvdir.local import LocalAgent
 from kvdir.replay.sim import Pulled, node_name

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
 from kvdir.core.client import DirectoryClient
 from kvdir.local import LocalAgent, LocalCluster
 from tests.agent.helpers import POOL_SPEC, launch_all, stop_all

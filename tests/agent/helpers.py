@@ -14,7 +14,7 @@ import subprocess
 import urllib.request
 from collections.abc import Iterable, Sequence
 
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
 from kvdir.core.client import DirectoryClient, namespace
 from kvdir.core.hashing import block_chain
 from kvdir.local import ClusterError, LocalAgent, LocalCluster, wait_for

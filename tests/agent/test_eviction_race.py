@@ -20,7 +20,7 @@ import pytest
 
 from kvdir.agent.config import AgentConfig, PoolConfig
 from kvdir.agent.daemon import AgentDaemon
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
 from kvdir.agent.pool import STORED
 from kvdir.core.client import DirectoryClient, records
 from kvdir.core.wire import namespace_key

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
 from kvdir.core.client import DirectoryClient
 from kvdir.local import LocalAgent, LocalCluster, wait_for
 from tests.agent.conftest import Trio

@@ -15,7 +15,7 @@ import pytest
 
 from kvdir.agent.config import from_dict
 from kvdir.agent.directory_reads import mirror_reads
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
 from kvdir.core.client import DirectoryClient, records
 from kvdir.core.security import PLAIN
 from kvdir.core.wire import namespace_key

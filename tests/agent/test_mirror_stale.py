@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
 from kvdir.local import LocalAgent, LocalCluster, wait_for
 from kvdir.v1 import agent_pb2 as apb
 from kvdir.v1 import agent_pb2_grpc as apb_grpc

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from kvdir.agent.engine_client import EngineClient, EngineError, PoolChanged
+from kvdir.agent.engine.client import EngineClient, EngineError, PoolChanged
+from kvdir.agent.engine.vllm.config import ConnectorConfig
+from kvdir.agent.engine.vllm.seam import AgentSeam, AgentUnavailable
 from kvdir.agent.pool import ALLOCATED, FREE, Geometry, KvPool
 from kvdir.agent.pool_file import read_superblock
-from kvdir.agent.vllm.config import ConnectorConfig
-from kvdir.agent.vllm.seam import AgentSeam, AgentUnavailable
 from kvdir.local import LocalAgent, LocalCluster, wait_for
 from kvdir.transfer.memory import SharedMemory
 from tests.agent.helpers import (
@@ -218,7 +218,7 @@ def test_a_worker_seam_goes_stale_for_good_and_a_new_seam_maps_the_new_epoch(
 
 _HOLDER = """
 import json, sys
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
 from tests.agent.helpers import NS
 e = EngineClient(sys.argv[1])
 a = e.allocate(NS, int(sys.argv[2]), evict=True)

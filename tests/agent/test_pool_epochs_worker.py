@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
+from kvdir.agent.engine.vllm.config import ConnectorConfig
+from kvdir.agent.engine.vllm.namespace import KvShape
+from kvdir.agent.engine.vllm.seam import AgentSeam
+from kvdir.agent.engine.vllm.worker import Announce, LoadJob, SaveJob, WorkerSide
 from kvdir.agent.pool import FREE, KvPool
-from kvdir.agent.vllm.config import ConnectorConfig
-from kvdir.agent.vllm.namespace import KvShape
-from kvdir.agent.vllm.seam import AgentSeam
-from kvdir.agent.vllm.worker import Announce, LoadJob, SaveJob, WorkerSide
 from kvdir.local import LocalAgent, LocalCluster, wait_for
 from tests.agent.conftest import Trio
 from tests.agent.helpers import (

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvdir.agent.engine_client import EngineClient, EngineError
+from kvdir.agent.engine.client import EngineClient, EngineError
 from kvdir.core.client import DirectoryClient
 from kvdir.core.wire import namespace_key
 from kvdir.local import LocalAgent, LocalCluster

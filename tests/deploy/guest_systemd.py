@@ -35,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
 from kvdir.core.client import DirectoryClient, DirectoryError, namespace
 from kvdir.core.hashing import block_chain
 from kvdir.v1 import directory_pb2 as pb

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
 from kvdir.local import LocalAgent, LocalCluster, wait_for
 from tests.agent.helpers import NS, POOL_SPEC, WAIT_S, chain_of, launch_all, stop_all, store_chain
 from tests.deploy.names import SYNTHETIC, dashboard_exprs, metric_names, other_series, rule_exprs

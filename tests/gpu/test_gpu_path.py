@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch", reason="these tests allocate GPU memory thr
 if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU here", allow_module_level=True)
 
-from kvdir.agent.gpu_kv import GpuKvMover, GpuPathError  # noqa: E402
+from kvdir.agent.engine.gpu_kv import GpuKvMover, GpuPathError  # noqa: E402
 from kvdir.agent.gpu_pool import GpuTier  # noqa: E402
 from kvdir.agent.pool import KvPool  # noqa: E402
 from kvdir.transfer.cuda_blocks import BlockCopier, vllm_planes  # noqa: E402

@@ -20,7 +20,7 @@ import random
 import sys
 from typing import Any
 
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
 from kvdir.core.client import namespace
 from kvdir.core.hashing import block_chain
 from kvdir.local import ClusterError, wait_for

@@ -17,7 +17,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
 from kvdir.core.client import DirectoryClient
 from kvdir.core.security import ClientSecurity
 from kvdir.local import LocalAgent, LocalCluster, wait_for

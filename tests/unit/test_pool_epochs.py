@@ -241,7 +241,7 @@ def test_the_engine_library_never_maps_a_file_other_than_the_one_described(
     tmp_path: Path,
 ) -> None:
     """The file replaced between the agent's Attach answer and the mapping: refused."""
-    from kvdir.agent.engine_client import PoolChanged, _AttachedPool
+    from kvdir.agent.engine.client import PoolChanged, _AttachedPool
     from kvdir.v1 import agent_pb2 as apb
 
     path = str(tmp_path / "pool")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvdir.agent.vllm import compat
-from kvdir.agent.vllm.config import ConnectorConfigError, from_extra
-from kvdir.agent.vllm.namespace import KvShape, namespace
-from kvdir.agent.vllm.plan import (
+from kvdir.agent.engine.vllm import compat
+from kvdir.agent.engine.vllm.config import ConnectorConfigError, from_extra
+from kvdir.agent.engine.vllm.namespace import KvShape, namespace
+from kvdir.agent.engine.vllm.plan import (
     NOTHING,
     BlockTables,
     Found,
@@ -17,7 +17,7 @@ from kvdir.agent.vllm.plan import (
     plan_load,
     pool_only,
 )
-from kvdir.agent.vllm.worker import valid_local
+from kvdir.agent.engine.vllm.worker import valid_local
 
 BT = 32
 

@@ -17,9 +17,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvdir.agent.vllm.namespace import KvShape
-from kvdir.agent.vllm.seam import Fetched
-from kvdir.agent.vllm.worker import Announce, LoadJob, SaveJob, WorkerSide
+from kvdir.agent.engine.vllm.namespace import KvShape
+from kvdir.agent.engine.vllm.seam import Fetched
+from kvdir.agent.engine.vllm.worker import Announce, LoadJob, SaveJob, WorkerSide
 
 WAIT_S = 5.0
 
@@ -84,6 +84,7 @@ class AgentDouble:
         self.reserves = 0
         self.stored_log: list[Announce] = []
         self.on_fetch: Any = None
+        self.tickets: list[bytes] = []
 
     def available(self) -> bool:
         return True
@@ -95,7 +96,10 @@ class AgentDouble:
             self.next_slot += count
         return out
 
-    def fetch(self, chain: Sequence[bytes], skip: int, slots: Sequence[int]) -> Fetched:
+    def fetch(
+        self, chain: Sequence[bytes], skip: int, slots: Sequence[int], ticket: bytes = b""
+    ) -> Fetched:
+        self.tickets.append(ticket)
         if self.on_fetch is not None:
             self.on_fetch()
         return Fetched(len(slots), "cuda", len(slots) * 1024)
@@ -135,7 +139,7 @@ def test_a_fetched_load_finishes_before_its_blocks_are_announced_and_uses_reserv
     w, mover, agent = _worker(reserve=8)
     reserves = agent.reserves
     try:
-        job = LoadJob("r2", (b"a", b"b", b"c"), 0, (10, 11, 12), ())
+        job = LoadJob("r2", (b"a", b"b", b"c"), 0, (10, 11, 12), (), ticket=b"T")
         w.submit(job)
         wait_until(lambda: mover.loaded, "the load's copy")
         done: set[str] = set()
@@ -146,6 +150,7 @@ def test_a_fetched_load_finishes_before_its_blocks_are_announced_and_uses_reserv
 
         wait_until(reported, "the load reported")
         assert done == {"r2"} and w.take_errors() == set()
+        assert agent.tickets == [b"T"]  # the lookup's ticket reaches the one fetch
         assert agent.stored_log == []  # not before the staged copies completed
         assert agent.reserves == reserves  # the slots came from the save reserve
         mover.complete_all()

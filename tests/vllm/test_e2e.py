@@ -23,7 +23,7 @@ import pytest
 
 from kvdir.agent.config import AgentConfig, PoolConfig
 from kvdir.agent.daemon import AgentDaemon
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
 from kvdir.local import LOOPBACK, LocalAgent, LocalCluster, free_ports, wait_agent_sees
 from tests.vllm.conftest import POOL_SLOTS, start_agent, start_engines
 from tests.vllm.engines import Engine

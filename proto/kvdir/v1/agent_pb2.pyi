@@ -660,10 +660,17 @@ class EngineLookupResponse(_message.Message):
     LOCAL_SLOTS_FIELD_NUMBER: _builtins.int
     PEERS_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
     local_blocks: _builtins.int
     """leading blocks already in this node's pool"""
     epoch: _builtins.int
     """the epoch local_slots belong to"""
+    ticket: _builtins.bytes
+    """A load ticket (a serialized LoadTicket, then a 16-byte MAC) when a peer
+    holds more of the chain than this node's pool: hand it back in
+    FetchRequest.ticket and the agent reads without asking the directory
+    again. Opaque to the engine; empty when no peer holds more.
+    """
     @_builtins.property
     def local_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     @_builtins.property
@@ -677,14 +684,56 @@ class EngineLookupResponse(_message.Message):
         local_slots: _abc.Iterable[_builtins.int] | None = ...,
         peers: _abc.Iterable[Global___PeerPrefix] | None = ...,
         epoch: _builtins.int = ...,
+        ticket: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "local_blocks", b"local_blocks", "local_slots", b"local_slots", "peers", b"peers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "local_blocks", b"local_blocks", "local_slots", b"local_slots", "peers", b"peers", "ticket", b"ticket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EngineLookupResponse: _TypeAlias = EngineLookupResponse  # noqa: Y015
+
+@_typing.final
+class LoadTicket(_message.Message):
+    """What the agent's Lookup found at the best holders of a chain (their
+    records: address, length, rkey, generation, tier of each block), carried by
+    the engine from its lookup to its fetch (one lookup per load). Only a hint:
+    every block read on it is validated against the holder's slot header
+    (STORED, the hash, the ticket's generation) after the bytes land, so a
+    stale ticket (a slot reused, the holder gone or restarted) costs a miss,
+    never wrong KV. The agent that issued it signs it with a key of its own
+    process (MAC appended): a ticket it did not issue, or issued before a
+    restart, is refused with INVALID_ARGUMENT. Bounded by agent/limits.py.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAMESPACE_KEY_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    HOLDERS_FIELD_NUMBER: _builtins.int
+    namespace_key: _builtins.str
+    """kvdir.core.wire.namespace_key of the lookup"""
+    epoch: _builtins.int
+    """the pool epoch of the engine that looked up"""
+    @_builtins.property
+    def holders(self) -> _containers.RepeatedCompositeFieldContainer[_directory_pb2.NodeMatch]:
+        """best first, records included"""
+
+    def __init__(
+        self,
+        *,
+        namespace_key: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        holders: _abc.Iterable[_directory_pb2.NodeMatch] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "holders", b"holders", "namespace_key", b"namespace_key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadTicket: _TypeAlias = LoadTicket  # noqa: Y015
 
 @_typing.final
 class FetchRequest(_message.Message):
@@ -697,6 +746,7 @@ class FetchRequest(_message.Message):
     SKIP_BLOCKS_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     PID_FIELD_NUMBER: _builtins.int
+    TICKET_FIELD_NUMBER: _builtins.int
     timeout_ms: _builtins.int
     """0 = agent default"""
     skip_blocks: _builtins.int
@@ -709,6 +759,11 @@ class FetchRequest(_message.Message):
     """The caller's pid (AttachRequest.pid): every slot must be one it holds
     allocated, else the request is refused (a late fetch of an engine that
     died never writes into slots handed to another). 0: not checked.
+    """
+    ticket: _builtins.bytes
+    """EngineLookupResponse.ticket of this chain's lookup: read from its holders
+    without a directory lookup (a malformed or foreign ticket is refused with
+    INVALID_ARGUMENT). Empty: the agent looks the chain up itself.
     """
     @_builtins.property
     def namespace(self) -> _directory_pb2.Namespace: ...
@@ -730,10 +785,11 @@ class FetchRequest(_message.Message):
         skip_blocks: _builtins.int = ...,
         epoch: _builtins.int = ...,
         pid: _builtins.int = ...,
+        ticket: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["namespace", b"namespace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "epoch", b"epoch", "namespace", b"namespace", "pid", b"pid", "skip_blocks", b"skip_blocks", "slots", b"slots", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "epoch", b"epoch", "namespace", b"namespace", "pid", b"pid", "skip_blocks", b"skip_blocks", "slots", b"slots", "ticket", b"ticket", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -19,7 +19,7 @@ from prometheus_client import generate_latest
 
 from kvdir.agent.config import AgentConfig, PoolConfig
 from kvdir.agent.daemon import AgentDaemon
-from kvdir.agent.engine_client import EngineClient
+from kvdir.agent.engine.client import EngineClient
 from kvdir.core.client import DirectoryClient
 from kvdir.local import LOOPBACK, LocalAgent, LocalCluster, free_ports
 from tests.agent.helpers import (
