@@ -8,7 +8,10 @@ concatenation). Numeric columns are packed with one `struct` call each, since
 per-entry Python work is what bounds publish throughput.
 
 A reader refuses a version it does not know, so a replica running older code
-stops loudly instead of misreading a newer log.
+stops loudly instead of misreading a newer log. Each command is written with
+the oldest version that has its type (`_SINCE`): adding a command type leaves
+the bytes of every older type as they were, so a log that never holds the new
+type stays readable by the previous release.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import sys
 from array import array
 from collections.abc import Callable, Sequence
 
+from kvdir.core.shard_map import ShardMap, ShardMapError
 from kvdir.core.wire import HASH_BYTES_MAX
 from kvdir.directory.commands import (
     Barrier,
@@ -28,11 +32,13 @@ from kvdir.directory.commands import (
     Publish,
     RegisterNode,
     Remove,
+    SetShardMap,
 )
-from kvdir.directory.limits import COMMAND_BYTES_MAX
+from kvdir.directory.limits import COMMAND_BYTES_MAX, SHARD_MAP_BYTES_MAX
 
 MAGIC = b"K"
-VERSION = 2  # 2: Remove carries an address guard
+VERSION = 3  # 2: Remove carries an address guard; 3: SetShardMap
+VERSIONS_READ = (2, 3)
 
 _T_REGISTER = 1
 _T_HEARTBEAT = 2
@@ -41,6 +47,10 @@ _T_REMOVE = 4
 _T_CLEAR = 5
 _T_EXPIRE = 6
 _T_BARRIER = 7
+_T_SET_SHARD_MAP = 8
+
+_SINCE = {_T_SET_SHARD_MAP: 3}
+"""The format version that introduced a command type (the rest: 2)."""
 
 _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
@@ -56,7 +66,7 @@ class _Writer:
     __slots__ = ("parts",)
 
     def __init__(self, kind: int) -> None:
-        self.parts: list[bytes] = [MAGIC, bytes((VERSION, kind))]
+        self.parts: list[bytes] = [MAGIC, bytes((_SINCE.get(kind, 2), kind))]
 
     def u8(self, v: int) -> None:
         self.parts.append(_U8.pack(v))
@@ -70,6 +80,11 @@ class _Writer:
     def text(self, s: str) -> None:
         b = s.encode()
         self.parts.append(_U16.pack(len(b)))
+        self.parts.append(b)
+
+    def long_text(self, s: str) -> None:
+        b = s.encode()
+        self.parts.append(_U32.pack(len(b)))
         self.parts.append(b)
 
     def column(self, code: str, values: Sequence[int]) -> None:
@@ -128,6 +143,15 @@ class _Reader:
     def text(self) -> str:
         try:
             return self.take(self.u16()).decode()
+        except UnicodeDecodeError as e:
+            raise CodecError("string is not UTF-8") from e
+
+    def long_text(self, limit: int) -> str:
+        n = self.u32()
+        if n > limit:
+            raise CodecError(f"a text of {n} bytes (at most {limit})")
+        try:
+            return self.take(n).decode()
         except UnicodeDecodeError as e:
             raise CodecError("string is not UTF-8") from e
 
@@ -222,6 +246,10 @@ def encode(cmd: Command) -> bytes:
                 w.u64(incarnation)
         case Barrier():
             w = _Writer(_T_BARRIER)
+        case SetShardMap():
+            w = _Writer(_T_SET_SHARD_MAP)
+            w.u64(cmd.expected_version)
+            w.long_text(cmd.shard_map.to_json())
     blob = w.done()
     # Validation bounds every field (limits.py ties batch sizes to this), so a
     # longer command is a programmer error, never an operator's.
@@ -290,6 +318,14 @@ def _barrier(_r: _Reader) -> Command:
     return Barrier()
 
 
+def _set_shard_map(r: _Reader) -> Command:
+    expected = r.u64()
+    try:
+        return SetShardMap(expected, ShardMap.from_json(r.long_text(SHARD_MAP_BYTES_MAX)))
+    except (ShardMapError, RecursionError) as e:  # deep nesting: json's own limit
+        raise CodecError(f"bad shard map: {e}") from e
+
+
 _DECODERS: dict[int, Callable[[_Reader], Command]] = {
     _T_REGISTER: _register,
     _T_HEARTBEAT: _heartbeat,
@@ -298,6 +334,7 @@ _DECODERS: dict[int, Callable[[_Reader], Command]] = {
     _T_CLEAR: _clear,
     _T_EXPIRE: _expire,
     _T_BARRIER: _barrier,
+    _T_SET_SHARD_MAP: _set_shard_map,
 }
 
 
@@ -307,11 +344,11 @@ def decode(buf: bytes) -> Command:
         raise CodecError("not a kvdir command")
     if len(buf) > COMMAND_BYTES_MAX:
         raise CodecError(f"a command of {len(buf)} bytes (at most {COMMAND_BYTES_MAX})")
-    if buf[1] != VERSION:
+    if buf[1] not in VERSIONS_READ:
         raise CodecError(f"command format version {buf[1]} is not supported (this is {VERSION})")
     decoder = _DECODERS.get(buf[2])
-    if decoder is None:
-        raise CodecError(f"unknown command type {buf[2]}")
+    if decoder is None or buf[1] < _SINCE.get(buf[2], 2):
+        raise CodecError(f"unknown command type {buf[2]} in format version {buf[1]}")
     r = _Reader(buf, 3)
     try:
         cmd = decoder(r)

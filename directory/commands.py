@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from kvdir.core.shard_map import ShardMap
+
 
 class Tier(IntEnum):
     """Where a holder keeps a block (values match kvdir.v1.Tier)."""
@@ -96,7 +98,19 @@ class Barrier:
     """A no-op whose commit proves the replica has applied everything before it."""
 
 
-Command = RegisterNode | Heartbeat | Publish | Remove | ClearNode | ExpireNodes | Barrier
+@dataclass(frozen=True, slots=True)
+class SetShardMap:
+    """The home group's shard map becomes `shard_map`, if the committed one is
+    `expected_version` (0: none yet) and `shard_map.version` is the next one:
+    a compare-and-set, so two operators' changes never silently overwrite."""
+
+    expected_version: int
+    shard_map: ShardMap
+
+
+Command = (
+    RegisterNode | Heartbeat | Publish | Remove | ClearNode | ExpireNodes | Barrier | SetShardMap
+)
 
 
 class Reject(IntEnum):
@@ -106,6 +120,8 @@ class Reject(IntEnum):
     STALE_INCARNATION = 2
     BAD_TIER = 3
     BAD_BATCH = 4
+    STALE_SHARD_MAP = 5
+    BAD_SHARD_MAP = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,4 +164,11 @@ class Done:
     """Result of a Barrier."""
 
 
-Result = Rejected | Registered | Renewed | Published | Removed | Expired | Done
+@dataclass(frozen=True, slots=True)
+class ShardMapSet:
+    """Result of a SetShardMap: the map now committed."""
+
+    shard_map: ShardMap
+
+
+Result = Rejected | Registered | Renewed | Published | Removed | Expired | Done | ShardMapSet

@@ -47,6 +47,11 @@ COMMAND_HEAD_BYTES_MAX = 64 + 3 * NAMESPACE_FIELD_BYTES_MAX + NODE_ID_BYTES_MAX
 assert BATCH_ENTRIES_CEILING * PUBLISH_ENTRY_BYTES_MAX + COMMAND_HEAD_BYTES_MAX <= COMMAND_BYTES_MAX
 assert COMMAND_BYTES_MAX <= GRPC_MESSAGE_BYTES_MAX
 
+SHARD_MAP_BYTES_MAX = 2 * 1024 * 1024
+"""A shard map's JSON form in a SetShardMap command (4,096 shards are ~0.5 MB);
+a longer one is refused before it is proposed."""
+assert SHARD_MAP_BYTES_MAX + 64 <= COMMAND_BYTES_MAX
+
 JOURNAL_RECORD_BYTES_MAX = 2 * COMMAND_BYTES_MAX
 """A journal record's payload: one pysyncobj log entry (our command plus its
 framing, or a membership change). A length field above this is damage."""

@@ -39,12 +39,14 @@ from typing import Any, BinaryIO
 import numpy as np
 import numpy.typing as npt
 
+from kvdir.core.shard_map import ShardMap, ShardMapError
 from kvdir.directory.block_index import BlockIndex
 from kvdir.directory.consensus.sync import REAL, Syncer, replace_durably
 from kvdir.directory.table import NIL, Columns, Freeze, NodeState, Table, untracked
 
 MAGIC = b"KVDSNAP\x00"
-FORMAT_VERSION = 2  # 2: fingerprint, key-width and sole-holder columns
+FORMAT_VERSION = 3  # 2: fingerprint, key-width and sole-holder columns; 3: shard map
+FORMATS_READ = (2, 3)
 _CHUNK = 1 << 16
 COPY_CHUNK_SLOTS = 1 << 16
 """Slots copied per GIL hold by `Frozen.image` (~1 ms: 56 column bytes and a key each)."""
@@ -128,6 +130,7 @@ def freeze(table: Table) -> Frozen:
         "namespaces": list(table.ns_names),
         "nodes": nodes,
         "free_node_idx": list(table.free_node_idx),
+        "shard_map": None if table.shard_map is None else table.shard_map.to_json(),
     }
     return Frozen(table, meta)
 
@@ -381,7 +384,7 @@ def load(f: BinaryIO, name: str = "snapshot") -> tuple[Table, dict[str, Any], li
         raise SnapshotError(f"{name} is not a kvdir snapshot")
     (hlen,) = struct.unpack("<I", _read_exact(f, 4))
     header = json.loads(_read_exact(f, hlen))
-    if header.get("format") != FORMAT_VERSION:
+    if header.get("format") not in FORMATS_READ:
         raise SnapshotError(f"snapshot format {header.get('format')} is not supported")
     table = Table()
     c = table.col
@@ -438,6 +441,11 @@ def _restore_meta(table: Table, header: dict[str, Any], heads: list[array[int]])
         table.nodes[node.node_id] = node
         table.node_idx[node.node_id] = idx
     table.free_node_idx = list(header["free_node_idx"])
+    shard_map = header.get("shard_map")  # absent in format 2
+    try:
+        table.shard_map = None if shard_map is None else ShardMap.from_json(shard_map)
+    except ShardMapError as e:
+        raise SnapshotError(f"snapshot shard map: {e}") from e
     if table.free != NIL and not 0 <= table.free < len(keys):
         raise SnapshotError("snapshot free list is corrupt")
 

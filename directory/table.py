@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import ClassVar, cast
 
+from kvdir.core.shard_map import ShardMap
 from kvdir.core.wire import HASH_BYTES_MAX
 from kvdir.directory import lookup as prefix_lookup
 from kvdir.directory.block_index import BlockIndex
@@ -53,9 +54,12 @@ from kvdir.directory.commands import (
     Removed,
     Renewed,
     Result,
+    SetShardMap,
+    ShardMapSet,
     Tier,
 )
 from kvdir.directory.limits import HOLDERS_PER_BLOCK_MAX
+from kvdir.directory.shard_view import handover_error
 
 NIL = 0xFFFFFFFF
 """End of a slot chain, and the node index of a free slot."""
@@ -256,6 +260,8 @@ class Table:
         self.node_by_idx: list[NodeState | None] = []
         self.node_idx: dict[str, int] = {}
         self.free_node_idx: list[int] = []
+        self.shard_map: ShardMap | None = None
+        """The committed shard map (only the home group's log ever sets one)."""
 
     # ------------------------------------------------------------ copy-on-write
 
@@ -302,6 +308,27 @@ class Table:
                 return self._expire(cmd)
             case Barrier():
                 return Done()
+            case SetShardMap():
+                return self._set_shard_map(cmd)
+
+    def _set_shard_map(self, cmd: SetShardMap) -> Result:
+        """Compare-and-set: checked again here, in log order, whatever the proposer saw."""
+        current = 0 if self.shard_map is None else self.shard_map.version
+        if cmd.expected_version != current:
+            return Rejected(
+                Reject.STALE_SHARD_MAP,
+                f"shard map version {cmd.expected_version} expected, {current} is committed",
+            )
+        if cmd.shard_map.version != current + 1:
+            return Rejected(
+                Reject.BAD_SHARD_MAP,
+                f"the new shard map must be version {current + 1}, not {cmd.shard_map.version}",
+            )
+        why = handover_error(self.shard_map, cmd.shard_map)
+        if why is not None:
+            return Rejected(Reject.BAD_SHARD_MAP, why)
+        self.shard_map = cmd.shard_map
+        return ShardMapSet(cmd.shard_map)
 
     def _check_node(self, node_id: str, incarnation: int) -> NodeState | Rejected:
         node = self.nodes.get(node_id)
@@ -758,9 +785,13 @@ class Table:
         """SHA-256 of the table's content in a canonical order (not its slot layout).
 
         Two replicas that applied the same commands agree on it whether they
-        built their table by applying entries or by loading a snapshot.
+        built their table by applying entries or by loading a snapshot. A
+        committed shard map counts (the home group's replicas must agree on it
+        too); a table without one digests as it always did.
         """
         h = hashlib.sha256()
+        if self.shard_map is not None:
+            h.update(self.shard_map.to_json().encode())
         for n in sorted(self.nodes.values(), key=lambda n: n.node_id):
             ident = (n.node_id, n.host, n.endpoint, n.transports, n.incarnation, n.lease_ms)
             h.update(repr((*ident, n.lease_expiry_ms, n.entries)).encode())

@@ -29,6 +29,7 @@ from typing import Any, Literal
 KEY_SPACE = 1 << 64
 SHARDS_MAX = 4096  # a map is sent whole in every refusal and Watch: keep it small
 GROUPS_MAX = 1024
+SHARD_ID_END = 1 << 32
 SERVING: Literal["serving"] = "serving"
 MOVING: Literal["moving"] = "moving"
 ShardState = Literal["serving", "moving"]
@@ -209,7 +210,7 @@ class ShardMap:
                 for s in d["shards"]
             )
             return ShardMap(int(d["version"]), groups, shards)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # int(Infinity)
             if isinstance(e, ShardMapError):
                 raise
             raise ShardMapError(f"not a shard map: {e}") from e
@@ -238,8 +239,8 @@ def _state(value: object) -> ShardState:
 
 
 def _validate(version: int, groups: tuple[Group, ...], shards: tuple[Shard, ...]) -> None:
-    if version < 1:
-        raise ShardMapError(f"shard map version must be >= 1, not {version}")
+    if not 1 <= version < KEY_SPACE:  # a uint64 at the wire
+        raise ShardMapError(f"shard map version must be 1..2**64-1, not {version}")
     if not groups or len(groups) > GROUPS_MAX:
         raise ShardMapError(f"a shard map has 1 to {GROUPS_MAX} groups, not {len(groups)}")
     if not shards or len(shards) > SHARDS_MAX:
@@ -253,6 +254,8 @@ def _validate(version: int, groups: tuple[Group, ...], shards: tuple[Shard, ...]
     known = set(ids)
     if len({s.shard_id for s in shards}) != len(shards):
         raise ShardMapError("shard ids must be distinct")
+    if any(not 0 <= s.shard_id < SHARD_ID_END for s in shards):
+        raise ShardMapError(f"shard ids must be 0..{SHARD_ID_END - 1} (a uint32 at the wire)")
     expect = 0
     for s in shards:
         if s.lo != expect:

@@ -8,9 +8,10 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from kvdir.core.shard_map import Group, even_map
 from kvdir.core.wire import HASH_BYTES_MAX
 from kvdir.directory import codec
-from kvdir.directory.codec import MAGIC, VERSION, CodecError, decode, encode
+from kvdir.directory.codec import MAGIC, VERSION, VERSIONS_READ, CodecError, decode, encode
 from kvdir.directory.commands import (
     Barrier,
     ClearNode,
@@ -20,6 +21,7 @@ from kvdir.directory.commands import (
     Publish,
     RegisterNode,
     Remove,
+    SetShardMap,
 )
 
 U32 = 2**32 - 1
@@ -51,6 +53,8 @@ EXAMPLES: list[Command] = [
     ExpireNodes(0, ()),
     ExpireNodes(U64, (("a", 1), ("ü", U64), ("", 0))),
     Barrier(),
+    SetShardMap(0, even_map([Group("g0", ("127.0.0.1:1",))])),
+    SetShardMap(U64 - 1, even_map([Group("g0", ("a:1", "b:2")), Group("ü", ("c:3",))], 3)),
 ]
 
 EMPTY_BATCHES: list[Command] = [
@@ -67,7 +71,9 @@ def ids(cmds: list[Command]) -> list[str]:
 @pytest.mark.parametrize("cmd", EXAMPLES, ids=ids(EXAMPLES))
 def test_roundtrip_examples(cmd: Command) -> None:
     blob = encode(cmd)
-    assert blob[:2] == MAGIC + bytes((VERSION,))
+    assert blob[:1] == MAGIC and blob[1] in VERSIONS_READ
+    # A command keeps the oldest format version that has its type (codec._SINCE).
+    assert blob[1] == (VERSION if isinstance(cmd, SetShardMap) else 2)
     got = decode(blob)
     assert got == cmd
     assert type(got) is type(cmd)
@@ -83,7 +89,7 @@ def test_roundtrip_empty_batches(cmd: Command) -> None:
 
 def test_command_types_are_distinct_bytes() -> None:
     kinds = {encode(c)[2] for c in EXAMPLES}
-    assert len(kinds) == 7
+    assert len(kinds) == 8
 
 
 def test_same_width_hashes_use_compact_mode() -> None:
@@ -141,6 +147,11 @@ commands: st.SearchStrategy[Command] = st.one_of(
     st.builds(ClearNode, texts, u64, st.none() | texts, st.booleans()),
     st.builds(ExpireNodes, u64, st.lists(st.tuples(texts, u64), max_size=6).map(tuple)),
     st.just(Barrier()),
+    st.builds(
+        SetShardMap,
+        u64,
+        st.integers(1, 4).map(lambda n: even_map([Group(f"g{i}", ("h:1",)) for i in range(n)])),
+    ),
 )
 
 
@@ -244,17 +255,40 @@ def test_unknown_version(version: int) -> None:
         decode(bytes(blob))
 
 
-@pytest.mark.parametrize("kind", [0, 8, 9, 255])
+@pytest.mark.parametrize("kind", [0, 9, 10, 255])
 def test_unknown_command_type(kind: int) -> None:
     with pytest.raises(CodecError, match="unknown command type"):
         decode(MAGIC + bytes((VERSION, kind)))
+
+
+def test_a_type_is_unknown_in_a_version_older_than_it() -> None:
+    blob = bytearray(encode(SetShardMap(0, even_map([Group("g0", ("h:1",))]))))
+    blob[1] = 2
+    with pytest.raises(CodecError, match="unknown command type 8 in format version 2"):
+        decode(bytes(blob))
+
+
+def test_older_commands_read_in_either_version() -> None:
+    blob = bytearray(encode(Heartbeat("n", 1, 2)))
+    for version in VERSIONS_READ:
+        blob[1] = version
+        assert decode(bytes(blob)) == Heartbeat("n", 1, 2)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [b"{}", b"[1]", b'{"version": Infinity, "groups": [], "shards": []}', b"[" * 5000, b"\xff"],
+)
+def test_a_bad_shard_map_is_a_codec_error(text: bytes) -> None:
+    blob = MAGIC + bytes((VERSION, 8)) + struct.pack("<QI", 0, len(text)) + text
+    _raises_codec_error(blob)
 
 
 def _remove_header() -> bytes:
     """A Remove up to its hash batch: node "n", incarnation 1, namespace "s", tier 1."""
     return (
         MAGIC
-        + bytes((VERSION, 4))
+        + bytes((2, 4))  # Remove is written in format 2 (codec._SINCE)
         + struct.pack("<H", 1)
         + b"n"
         + struct.pack("<Q", 1)

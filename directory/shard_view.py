@@ -1,0 +1,160 @@
+"""What one replica knows of the shard map, and whether its group owns a key.
+
+Pure (no I/O, no clock, no protobuf): `ShardView` keeps the newest map the
+replica has seen (versions only go up) and answers the check that every keyed
+request passes (`check`); the I/O that feeds it is in shard_service.py.
+
+Cost on the request path: a replica that owns every key (unsharded, or its
+group holds the whole space) pays one attribute test per request. Otherwise
+each hash costs one blake2b-64 and an interval test against the group's own
+ranges, merged where adjacent (one range for an even map).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvdir.core.shard_map import KEY_SPACE, MOVING, ShardMap
+
+HOME_GROUP = "g0"
+"""The group whose Raft log holds the shard map (docs/sharding.md)."""
+
+
+class NoShardMap(Exception):
+    """A sharded replica has no map yet: it cannot tell what it owns."""
+
+
+class WrongShard(Exception):
+    """A request names a key another group owns under this replica's map."""
+
+    def __init__(self, message: str, version: int) -> None:
+        super().__init__(message)
+        self.version = version
+
+
+@dataclass(frozen=True, slots=True)
+class Ownership:
+    """One map seen from one group: the key ranges it owns, merged."""
+
+    shard_map: ShardMap
+    group_id: str
+    all_keys: bool
+    los: tuple[int, ...]
+    his: tuple[int, ...]
+
+    @classmethod
+    def of(cls, m: ShardMap, group_id: str) -> Ownership:
+        ranges: list[list[int]] = []
+        for s in m.shards:  # sorted and contiguous (the map's invariant)
+            if s.group_id != group_id:
+                continue
+            if ranges and ranges[-1][1] == s.lo:
+                ranges[-1][1] = s.hi
+            else:
+                ranges.append([s.lo, s.hi])
+        whole = ranges == [[0, KEY_SPACE]]
+        return cls(m, group_id, whole, tuple(r[0] for r in ranges), tuple(r[1] for r in ranges))
+
+    def first_foreign(self, hashes: Sequence[bytes]) -> int:
+        """Index of the first hash whose key this group does not own, or -1."""
+        if self.all_keys:
+            return -1
+        blake2b = hashlib.blake2b
+        from_bytes = int.from_bytes
+        if len(self.los) == 1:  # the usual case: one range, two compares per hash
+            lo, hi = self.los[0], self.his[0]
+            for i, h in enumerate(hashes):
+                if not lo <= from_bytes(blake2b(h, digest_size=8).digest(), "big") < hi:
+                    return i
+            return -1
+        los, his = self.los, self.his
+        for i, h in enumerate(hashes):
+            key = from_bytes(blake2b(h, digest_size=8).digest(), "big")
+            j = bisect.bisect_right(los, key) - 1
+            if j < 0 or key >= his[j]:
+                return i
+        return -1
+
+
+def handover_error(old: ShardMap | None, new: ShardMap) -> str | None:
+    """Why `new` may not follow `old`, or None.
+
+    A key may change group only by finishing its move (`old` has its shard
+    MOVING to the group that `new` names as the owner): any other change of
+    owner would hide the entries the old group holds, losing acknowledged
+    writes. Splits, merges of one group's shards, new groups, changed replica
+    lists and starting or aborting a move keep every key's owner.
+    """
+    if old is None:
+        return None
+    i = j = 0
+    lo = 0
+    while lo < KEY_SPACE:
+        o, n = old.shards[i], new.shards[j]
+        moved = o.state == MOVING and n.group_id == o.target_group
+        if n.group_id != o.group_id and not moved:
+            return (
+                f"keys [{lo}, {min(o.hi, n.hi)}) would pass from group {o.group_id!r} to "
+                f"{n.group_id!r} without a finished move (shard {o.shard_id} is {o.state})"
+            )
+        lo = min(o.hi, n.hi)
+        i += o.hi == lo
+        j += n.hi == lo
+    return None
+
+
+class ShardView:
+    """The newest map this replica knows, and the ownership check. Thread-safe:
+    one lock-free read of an immutable `Ownership` per request."""
+
+    def __init__(self, group_id: str, sharded: bool) -> None:
+        self.group_id = group_id
+        self.sharded = sharded
+        self.home = sharded and group_id == HOME_GROUP
+        self._lock = threading.Lock()
+        self._own: Ownership | None = None
+
+    @property
+    def shard_map(self) -> ShardMap | None:
+        own = self._own
+        return None if own is None else own.shard_map
+
+    @property
+    def version(self) -> int:
+        own = self._own
+        return 0 if own is None else own.shard_map.version
+
+    def offer(self, m: ShardMap) -> bool:
+        """Keep `m` if it is newer than the map known; whether it was kept."""
+        with self._lock:
+            if self._own is not None and m.version <= self._own.shard_map.version:
+                return False
+            self._own = Ownership.of(m, self.group_id)
+            return True
+
+    def check(self, hashes: Sequence[bytes]) -> None:
+        """Raise NoShardMap or WrongShard unless this group owns every hash."""
+        if not self.sharded:
+            return
+        own = self._own
+        if own is None:
+            raise NoShardMap("no shard map yet: this replica has not heard from the home group")
+        i = own.first_foreign(hashes)
+        if i < 0:
+            return
+        m = own.shard_map
+        s = m.shard_of(hashes[i])
+        moving = f" (moving to {s.target_group})" if s.state == MOVING else ""
+        raise WrongShard(
+            f"block {hashes[i].hex()} is in shard {s.shard_id}, owned by group "
+            f"{s.group_id!r}{moving} under shard map v{m.version}; this replica is in "
+            f"group {self.group_id!r}: refresh the map and send it there",
+            m.version,
+        )
+
+
+__all__ = ["HOME_GROUP", "NoShardMap", "Ownership", "ShardView", "WrongShard", "handover_error"]
