@@ -3,6 +3,8 @@
 node_id = "node-a"
 host = "10.0.1.7"                       # the address peers reach this node on
 directory = ["10.0.0.1:7101", "10.0.0.2:7101", "10.0.0.3:7101"]
+# shard_home = ["10.0.0.1:7101", ...]   # a sharded directory: its home group g0, instead
+                                        # of `directory` (docs/sharding.md)
 listen = "10.0.1.7:7301"                # kvdir.v1.Agent for peers
 engine_socket = "/run/kvdir/agent.sock" # kvdir.v1.Engine for the local engine
 metrics_address = "10.0.1.7:7302"
@@ -144,6 +146,9 @@ class AgentConfig:
     listen: str
     engine_socket: str
     pools: tuple[PoolConfig, ...]
+    shard_home: tuple[str, ...] = ()
+    """A sharded directory's home group (g0), instead of `directory`: the agent
+    follows the shard map it holds, writes to every group and mirrors them all."""
     metrics_address: str = ""
     transports: tuple[str, ...] = ("shm", "tcp")
     lease_ms: int = LEASE_MS_DEFAULT
@@ -192,13 +197,18 @@ def from_dict(raw: dict[str, Any]) -> AgentConfig:
     unknown = sorted(set(raw) - names)
     if unknown:
         raise ConfigError(f"unknown keys: {', '.join(unknown)}")
-    for key in ("directory", "transports"):
+    for key in ("directory", "transports", "shard_home"):
         if key in raw:
             value = raw[key]
             raw[key] = tuple(value.split(",") if isinstance(value, str) else value)
-    missing = [
-        k for k in ("node_id", "host", "directory", "listen", "engine_socket") if not raw.get(k)
-    ]
+    if raw.get("shard_home") and raw.get("directory"):
+        raise ConfigError("give directory (one group's replicas) or shard_home, not both")
+    if raw.get("shard_home"):
+        raw["directory"] = ()  # the sharded client finds every group from the home's map
+    need = ("node_id", "host", "listen", "engine_socket")
+    missing = [k for k in need if not raw.get(k)]
+    if "directory" not in raw or (not raw["directory"] and not raw.get("shard_home")):
+        missing.insert(2, "directory")
     if missing:
         raise ConfigError(f"missing required keys: {', '.join(missing)}")
     try:

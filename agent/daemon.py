@@ -34,7 +34,7 @@ from kvdir.agent.metrics import AgentMetrics
 from kvdir.agent.pool import KvPool
 from kvdir.agent.publisher import Holding, NodeIdentity, Publisher, PublisherLimits
 from kvdir.agent.service import AgentCore, AgentService, EngineService, PoolState, ns_key
-from kvdir.core.client import DirectoryClient, DirectoryError
+from kvdir.core.client import DirectoryError
 from kvdir.core.security import (
     AuthConfig,
     ClientSecurity,
@@ -43,6 +43,7 @@ from kvdir.core.security import (
     TlsConfig,
     ssl_contexts,
 )
+from kvdir.core.sharded_client import directory_client
 from kvdir.directory.validate import namespace_key
 from kvdir.transfer.base import TransferError
 from kvdir.transfer.engine import TransferEngine
@@ -76,7 +77,9 @@ class AgentDaemon:
             self.security = ClientSecurity.from_config(cfg.tls, cfg.auth)
         except SecurityConfigError as e:
             raise AgentStartError(str(e)) from e
-        self.directory = DirectoryClient(list(cfg.directory), timeout_s=5.0, security=self.security)
+        self.directory = directory_client(
+            cfg.directory, cfg.shard_home, timeout_s=5.0, security=self.security
+        )
         self.mirror: MirrorReads | None = None
         """The directory mirror (directory_mirror on), set and started by `start`."""
         self.ingests: list[Any] = []
@@ -175,7 +178,8 @@ class AgentDaemon:
             self.publisher.start()
         except DirectoryError as e:
             raise AgentStartError(
-                f"cannot register with the directory at {','.join(cfg.directory)}: {e}"
+                f"cannot register with the directory at "
+                f"{','.join(cfg.shard_home or cfg.directory)}: {e}"
             ) from e
         p = self.publisher
         self.metrics.bind(

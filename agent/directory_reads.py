@@ -26,10 +26,11 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvdir.agent.config import AgentConfig
-from kvdir.core.client import DirectoryClient
 from kvdir.core.mirror import Lag, Mirror, MirroredDirectory
 from kvdir.core.mirror_sync import MirrorSync
 from kvdir.core.security import ClientSecurity
+from kvdir.core.sharded_client import AnyDirectoryClient, ShardedDirectoryClient
+from kvdir.core.sharded_mirror import ShardedMirror, ShardedMirrorSync
 from kvdir.v1 import directory_pb2 as pb
 
 
@@ -50,7 +51,12 @@ class DirectoryReads(Protocol):
 class MirrorReads:
     """`MirroredDirectory` with its stream, and counts of who answered."""
 
-    def __init__(self, client: DirectoryClient, mirror: Mirror, sync: MirrorSync) -> None:
+    def __init__(
+        self,
+        client: AnyDirectoryClient,
+        mirror: Mirror | ShardedMirror,
+        sync: MirrorSync | ShardedMirrorSync,
+    ) -> None:
         self.mirror = mirror
         self.sync = sync
         self._reads = MirroredDirectory(mirror, client)
@@ -91,12 +97,19 @@ class MirrorReads:
 
 
 def mirror_reads(
-    cfg: AgentConfig, client: DirectoryClient, security: ClientSecurity
+    cfg: AgentConfig, client: AnyDirectoryClient, security: ClientSecurity
 ) -> MirrorReads | None:
-    """The agent's mirror (not started), or None when `directory_mirror` is off."""
+    """The agent's mirror (not started), or None when `directory_mirror` is off.
+
+    With a shard home: a `ShardedMirror` of every group of the home's map, one
+    stream per group."""
     if not cfg.directory_mirror:
         return None
     namespaces = [p.namespace() for p in cfg.pools]
-    mirror = Mirror(max_staleness_s=cfg.directory_mirror_staleness_ms / 1000, namespaces=namespaces)
+    staleness_s = cfg.directory_mirror_staleness_ms / 1000
+    if isinstance(client, ShardedDirectoryClient):
+        sharded = ShardedMirror(client.shard_map, staleness_s, namespaces)
+        return MirrorReads(client, sharded, ShardedMirrorSync(sharded, security))
+    mirror = Mirror(max_staleness_s=staleness_s, namespaces=namespaces)
     sync = MirrorSync(mirror, cfg.directory, security)
     return MirrorReads(client, mirror, sync)

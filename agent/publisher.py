@@ -27,7 +27,8 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from kvdir.core.client import DirectoryClient, DirectoryError
+from kvdir.core.client import DirectoryError
+from kvdir.core.sharded_client import AnyDirectoryClient
 from kvdir.core.wire import namespace_key
 from kvdir.v1 import directory_pb2 as pb
 
@@ -70,7 +71,7 @@ _Key = tuple[str, int, bytes]  # (namespace key, tier, hash)
 class Publisher:
     def __init__(
         self,
-        client: DirectoryClient,
+        client: AnyDirectoryClient,
         node: NodeIdentity,
         holdings: Callable[[], Iterable[tuple[pb.Namespace, int, list[Holding]]]],
         limits: PublisherLimits | None = None,

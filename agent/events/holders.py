@@ -37,7 +37,7 @@ from kvdir.agent.events.decode import (
 )
 from kvdir.agent.events.hashes import HashFormat, keys
 from kvdir.agent.publisher import Holding, NodeIdentity, Publisher, PublisherLimits
-from kvdir.core.client import DirectoryClient
+from kvdir.core.sharded_client import AnyDirectoryClient
 from kvdir.v1 import directory_pb2 as pb
 
 log = logging.getLogger("kvdir.agent.events")
@@ -83,7 +83,7 @@ class _Holder:
 
 
 PublisherFactory = Callable[
-    [DirectoryClient, NodeIdentity, Callable[[], list[tuple[pb.Namespace, int, list[Holding]]]]],
+    [AnyDirectoryClient, NodeIdentity, Callable[[], list[tuple[pb.Namespace, int, list[Holding]]]]],
     Publisher,
 ]
 
@@ -93,7 +93,7 @@ class IndexHolders:
 
     def __init__(
         self,
-        client: DirectoryClient,
+        client: AnyDirectoryClient,
         node: NodeIdentity,
         engine: str,
         ns: pb.Namespace,

@@ -21,7 +21,7 @@ from kvdir.agent.events.hashes import HashFormat
 from kvdir.agent.events.holders import IndexHolders
 from kvdir.agent.events.selfcheck import SelfCheckError, check_event
 from kvdir.agent.publisher import NodeIdentity, PublisherLimits
-from kvdir.core.client import DirectoryClient
+from kvdir.core.sharded_client import AnyDirectoryClient
 
 log = logging.getLogger("kvdir.agent.events")
 
@@ -78,7 +78,7 @@ class EngineIngest:
     def __init__(
         self,
         cfg: EngineConfig,
-        client: DirectoryClient,
+        client: AnyDirectoryClient,
         node: NodeIdentity,
         limits: PublisherLimits | None = None,
         context: zmq.Context[zmq.Socket[bytes]] | None = None,

@@ -343,6 +343,11 @@ class DirectoryClient:
         resp: pb.LookupResponse = self.call("Lookup", req, address=address)
         return resp
 
+    def lookup_message(self, req: pb.LookupRequest) -> pb.LookupResponse:
+        """The Lookup RPC for a built request (`lookup_request`), with retries."""
+        resp: pb.LookupResponse = self.call("Lookup", req)
+        return resp
+
     def lookup_batch(
         self,
         lookups: Sequence[pb.LookupRequest],

@@ -49,10 +49,11 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
-from kvdir.core.client import DirectoryClient, DirectoryError, lookup_request
+from kvdir.core.client import DirectoryError, lookup_request
 from kvdir.directory import answer, codec, snapshot, validate
 from kvdir.directory.commands import Command
 from kvdir.directory.limits import RequestLimits
@@ -365,6 +366,24 @@ class Mirror:
             return self.applied_index, self.table.digest()
 
 
+class LocalLookups(Protocol):
+    """An in-process answerer: a `Mirror`, or a sharded directory's mirror."""
+
+    def lookup_message(self, req: pb.LookupRequest) -> pb.LookupResponse: ...
+
+    def lookup_batch(self, lookups: Sequence[pb.LookupRequest]) -> pb.LookupBatchResponse: ...
+
+
+class RpcLookups(Protocol):
+    """The replicas' answers: a `DirectoryClient`, or a sharded directory's client."""
+
+    def lookup_message(self, req: pb.LookupRequest) -> pb.LookupResponse: ...
+
+    def lookup_batch(
+        self, lookups: Sequence[pb.LookupRequest], linearizable: bool = False
+    ) -> pb.LookupBatchResponse: ...
+
+
 class MirroredDirectory:
     """Lookups from a mirror while it is fresh, else from a replica over gRPC.
 
@@ -372,7 +391,7 @@ class MirroredDirectory:
     answers either way (`LookupResponse`), `ReadInfo.replica_id` telling
     which ("mirror:<replica>" when in process)."""
 
-    def __init__(self, mirror: Mirror | None, client: DirectoryClient) -> None:
+    def __init__(self, mirror: LocalLookups | None, client: RpcLookups) -> None:
         self.mirror = mirror
         self.client = client
         self.fallbacks = 0
@@ -391,8 +410,7 @@ class MirroredDirectory:
                 return self.mirror.lookup_message(req)
             except NotServed:
                 self.fallbacks += 1
-        resp: pb.LookupResponse = self.client.call("Lookup", req)
-        return resp
+        return self.client.lookup_message(req)
 
     def lookup_batch(self, lookups: Sequence[pb.LookupRequest]) -> pb.LookupBatchResponse:
         if self.mirror is not None:

@@ -138,17 +138,27 @@ class ShardedDirectoryClient:
         self.home = DirectoryClient(home, timeout_s, retry_unknown, security=security)
         self.map_refreshes = 0
         self.reroutes = 0
-        self._map: ShardMap
+        self._known: ShardMap | None = None
         if shard_map is not None:
             self._install(shard_map)
         else:
-            self.refresh_map(0, force=True)
+            # Asked now, so a deployment error shows at start; if the home cannot
+            # answer yet, the first call asks again (and raises if it still cannot).
+            with contextlib.suppress(DirectoryError):
+                self.refresh_map(0, force=True)
 
     # ------------------------------------------------------------------ map
 
     @property
     def shard_map(self) -> ShardMap:
         return self._map
+
+    @property
+    def _map(self) -> ShardMap:
+        m = self._known
+        if m is None:
+            m = self.refresh_map(0, force=True)
+        return m
 
     def _install(self, m: ShardMap) -> None:
         with self._lock:
@@ -159,7 +169,7 @@ class ShardedDirectoryClient:
                 if old is not None:
                     self._retired.append(old)  # a call may still use it: closed at close()
                 self._groups[g.group_id] = self._group_client(g)
-            self._map = m
+            self._known = m
 
     def _group_client(self, g: Group) -> DirectoryClient:
         if list(g.replicas) == self.addresses:
@@ -175,7 +185,7 @@ class ShardedDirectoryClient:
         if self._static:
             return self._map
         with self._refresh_lock:
-            known: ShardMap | None = getattr(self, "_map", None)
+            known = self._known
             if known is not None and min_version and known.version >= min_version:
                 return known
             now = self._clock()
@@ -187,7 +197,8 @@ class ShardedDirectoryClient:
             self.map_refreshes += 1
             if known is None or m.version > known.version:
                 self._install(m)
-            return self._map
+            assert self._known is not None
+            return self._known
 
     def _ask_home(self, min_version: int) -> ShardMap:
         try:
@@ -658,3 +669,19 @@ class ShardedDirectoryClient:
             if address in c.addresses:
                 return c
         return self.home
+
+
+AnyDirectoryClient = DirectoryClient | ShardedDirectoryClient
+"""What agents and tools hold: one group's client, or the sharded one (same surface)."""
+
+
+def directory_client(
+    replicas: Sequence[str],
+    shard_home: Sequence[str],
+    timeout_s: float = 5.0,
+    security: ClientSecurity = PLAIN,
+) -> AnyDirectoryClient:
+    """The sharded client when a shard home is configured, else one group's client."""
+    if shard_home:
+        return ShardedDirectoryClient(shard_home, timeout_s=timeout_s, security=security)
+    return DirectoryClient(replicas, timeout_s=timeout_s, security=security)

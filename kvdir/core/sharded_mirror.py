@@ -392,6 +392,11 @@ class ShardedMirror:
 
     # ------------------------------------------------------------- staleness
 
+    @property
+    def snapshots(self) -> int:
+        """Snapshots loaded, every group's together."""
+        return sum(f.snapshots for f in self.feeds.values())
+
     def group_lags(self) -> list[GroupLag]:
         return [GroupLag(g, f.lag(), f.error, f.source) for g, f in self.feeds.items()]
 
@@ -546,6 +551,11 @@ class ShardedMirrorSync:
             g.group_id: MirrorSync(mirror.feeds[g.group_id], g.replicas, security)
             for g in mirror.map.groups
         }
+
+    @property
+    def streams(self) -> int:
+        """Watch calls opened, every group's together."""
+        return sum(s.streams for s in self.syncs.values())
 
     def start(self) -> ShardedMirrorSync:
         for s in self.syncs.values():
