@@ -6,8 +6,13 @@
 - `replicas`: real `_replica.Replica`s started, ticked and crashed by hand
   under a simulated clock.
 - `workload`: Publish / Remove / linearizable Lookup clients and their history.
+- `mirrors`: a real `Mirror` fed by the replicas' real Watch services.
 - `checks`: the invariants checked after every step.
-- `simulation`: one seeded run; `run`: many seeds, the command line.
+- `knobs`: a seed's rates and a run's result; `cluster`: what the parts below
+  see of a run; `faults`, `membership`: what a seed injects; `ending`: healing
+  and the history's checks.
+- `simulation`: one seeded run; `run`: many seeds, the command line;
+  `report`: a run's JSON and the markdown of merged runs.
 """
 
 from __future__ import annotations
@@ -29,7 +34,18 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--steps", type=int, default=1000, help="steps (10 ms of simulated time) each")
     s.add_argument("--replicas", type=int, default=3, choices=[3, 5])
     s.add_argument("--jobs", type=int, default=1, help="worker processes")
-    s.add_argument("--max-seconds", type=float, default=0.0, help="stop after this (0: never)")
+    s.add_argument(
+        "--budget-s",
+        "--max-seconds",
+        dest="budget_s",
+        type=float,
+        default=0.0,
+        help="start no seed after this many seconds; the running ones finish (0: no limit)",
+    )
     s.add_argument("--trace", action="store_true", help="print a failing seed's whole trace")
-    s.add_argument("--out", default="", help="also write the report (JSON) here")
+    s.add_argument("--out", default="", help="write every seed's result and the run's (JSON)")
+    s.add_argument(
+        "--merge", nargs="+", default=[], metavar="JSON", help="merge --out files into --report"
+    )
+    s.add_argument("--report", default="", help="with --merge: the markdown to write")
     s.set_defaults(func=_cmd)

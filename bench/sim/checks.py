@@ -14,6 +14,10 @@
   An entry applied before any replica was seen committing its index waits in
   `pending` until one is (an entry still pending when the run ends was never
   committed).
+- `MirrorChecks`: a mirror's applied index never goes backwards, never passes
+  the largest commit index any replica has reached, nor the commit index the
+  mirror itself has heard of (what its reads report: issue 29 hole 6); its
+  table digest is compared with a replica's at the same index (`digest`).
 
 A violation is a `Violation` (kind, step, detail); the run records it and
 goes on, so one seed can show several.
@@ -135,6 +139,31 @@ class Invariants:
             )
 
 
+@dataclass
+class MirrorChecks:
+    """A mirror's position after every step (see the module docstring)."""
+
+    report: Callable[[str, str], None]
+    applied: int = 0
+
+    def position(self, applied: int, heard_commit: int, max_commit: int) -> None:
+        """`applied`, `heard_commit`: the mirror's; `max_commit`: the largest commit
+        index any replica has reached so far in the run."""
+        if applied < self.applied:
+            self.report("mirror_backwards", f"mirror applied index {applied} after {self.applied}")
+        if applied > max_commit:
+            self.report(
+                "mirror_ahead",
+                f"mirror applied index {applied}; no replica has committed past {max_commit}",
+            )
+        if applied > heard_commit:
+            self.report(
+                "mirror_ahead_of_heard",
+                f"mirror applied index {applied} past the commit index it heard, {heard_commit}",
+            )
+        self.applied = max(self.applied, applied)
+
+
 def watch_cuts(r: Any, on_cut: Callable[[int], None]) -> None:
     """Route `r`'s journal cuts (`deleteEntriesFrom(position)`) through `on_cut(index)` first."""
     journal = r.kvdir_journal
@@ -149,4 +178,4 @@ def watch_cuts(r: Any, on_cut: Callable[[int], None]) -> None:
     journal.deleteEntriesFrom = delete_from
 
 
-__all__ = ["Invariants", "Violation", "fingerprint", "watch_cuts"]
+__all__ = ["Invariants", "MirrorChecks", "Violation", "fingerprint", "watch_cuts"]

@@ -18,15 +18,13 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pysyncobj import FAIL_REASON
 from pysyncobj.node import TCPNode
 
+from bench.sim.cluster import Cluster
 from bench.sim.disk import Disk
-
-if TYPE_CHECKING:
-    from bench.sim.simulation import Simulation
 
 CHANGE_WAIT_S = 5.0
 """Simulated seconds before a change with no answer is settled from the leader's view."""
@@ -54,10 +52,10 @@ class Membership:
     def draw_rate(self) -> float:
         return self.rng.choice([0.0, 0.0, 0.002, 0.005])
 
-    def maybe_change(self, sim: Simulation, rate: float) -> None:
+    def maybe_change(self, sim: Cluster, rate: float) -> None:
         if self.changing is not None or self.rng.random() >= rate:
             return
-        leader = sim._leader()
+        leader = sim.leader()
         if leader is None:
             return
         lr = sim.seats[leader].replica
@@ -66,10 +64,10 @@ class Membership:
         if removed:
             addr = removed[0]
             self._wipe(sim, addr)
-            sim._start(addr, peers=sorted(self.members | {addr}), join=True)
+            sim.start(addr, peers=sorted(self.members | {addr}), join=True)
             self.changing = _Change("add", addr, sim.clock.now + CHANGE_WAIT_S)
             lr.addNodeToCluster(TCPNode(addr), callback=self._answer(sim, "add", addr))
-            sim._note(f"{leader} proposes adding {addr} (empty, joining)")
+            sim.note(f"{leader} proposes adding {addr} (empty, joining)")
             return
         others = sorted(a for a in self.members if a != leader)
         if len(others) < 2:
@@ -77,9 +75,9 @@ class Membership:
         addr = self.rng.choice(others)
         self.changing = _Change("remove", addr, sim.clock.now + CHANGE_WAIT_S)
         lr.removeNodeFromCluster(addr, callback=self._answer(sim, "remove", addr))
-        sim._note(f"{leader} proposes removing {addr}")
+        sim.note(f"{leader} proposes removing {addr}")
 
-    def _answer(self, sim: Simulation, kind: str, addr: str) -> Any:
+    def _answer(self, sim: Cluster, kind: str, addr: str) -> Any:
         def done(_result: Any, error: int) -> None:
             change = self.changing
             if change is None or (change.kind, change.address) != (kind, addr):
@@ -88,12 +86,12 @@ class Membership:
 
         return done
 
-    def settle_late(self, sim: Simulation) -> None:
+    def settle_late(self, sim: Cluster) -> None:
         """A change with no answer by its deadline: the current leader's view decides."""
         change = self.changing
         if change is None or sim.clock.now < change.deadline:
             return
-        leader = sim._leader()
+        leader = sim.leader()
         if leader is None:
             return
         lr = sim.seats[leader].replica
@@ -101,20 +99,20 @@ class Membership:
         now_in = change.address == leader or any(n.address == change.address for n in lr.otherNodes)
         self._settle(sim, change, now_in == (change.kind == "add"), "no answer")
 
-    def _settle(self, sim: Simulation, change: _Change, took: bool, why: str) -> None:
+    def _settle(self, sim: Cluster, change: _Change, took: bool, why: str) -> None:
         self.changing = None
         addr = change.address
         if change.kind == "add":
             if took:
                 self.members.add(addr)
             else:
-                sim._crash(addr, False)  # not a member: it must not run
+                sim.crash(addr, False)  # not a member: it must not run
         elif took:
             self.members.discard(addr)
-            sim._crash(addr, False)
-        sim._note(f"{change.kind} {addr}: {'done' if took else 'not done (' + why + ')'}")
+            sim.crash(addr, False)
+        sim.note(f"{change.kind} {addr}: {'done' if took else 'not done (' + why + ')'}")
 
-    def _wipe(self, sim: Simulation, addr: str) -> None:
+    def _wipe(self, sim: Cluster, addr: str) -> None:
         """A new, empty data dir for the seat (the replaced replica's disk is gone)."""
         seat = sim.seats[addr]
         self.wipes += 1
