@@ -200,7 +200,8 @@ def from_dict(raw: dict[str, Any]) -> AgentConfig:
     for key in ("directory", "transports", "shard_home"):
         if key in raw:
             value = raw[key]
-            raw[key] = tuple(value.split(",") if isinstance(value, str) else value)
+            items = value.split(",") if isinstance(value, str) else value
+            raw[key] = tuple(x for x in items if x != "")  # "--directory ''": none
     if raw.get("shard_home") and raw.get("directory"):
         raise ConfigError("give directory (one group's replicas) or shard_home, not both")
     if raw.get("shard_home"):
