@@ -18,6 +18,11 @@ the generation the directory published) after the data, so such an answer
 ends the valid prefix early: a miss, never wrong KV (agent/fetcher.py).
 `Lookup` only reports peers; what the engine then asks to fetch goes through
 that same validation.
+
+Both read `holders`: typed `Holder` values. From a fresh (unsharded) mirror
+they come straight off its table (the records' packed columns, no
+LookupRequest or LookupResponse built and parsed inside the agent); else off
+a lookup's answer.
 """
 
 from __future__ import annotations
@@ -26,11 +31,15 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from kvdir.agent.config import AgentConfig
+from kvdir.agent.holders import Holder
 from kvdir.core.mirror import Lag, Mirror, MirroredDirectory
 from kvdir.core.mirror_sync import MirrorSync
 from kvdir.core.security import ClientSecurity
 from kvdir.core.sharded_client import AnyDirectoryClient, ShardedDirectoryClient
 from kvdir.core.sharded_mirror import ShardedMirror, ShardedMirrorSync
+from kvdir.directory.lookup import Chain
+from kvdir.directory.table import Match, Table
+from kvdir.directory.validate import namespace_key
 from kvdir.v1 import directory_pb2 as pb
 
 
@@ -94,6 +103,46 @@ class MirrorReads:
         "mirror:<replica>" when the mirror answered."""
         self.lookups += 1  # counts only: a lost update under threads skews a metric
         return self._reads.lookup(ns, chain, max_nodes, exclude_node, omit_records)
+
+    def holders(
+        self, ns: pb.Namespace, chain: Sequence[bytes], max_nodes: int, exclude_node: str = ""
+    ) -> list[Holder]:
+        """`lookup` with records, typed: off a fresh mirror's table when it holds the
+        namespace (as `Mirror.lookup_message` decides), else through `lookup`."""
+        m = self.mirror
+        if isinstance(m, Mirror) and chain:
+            key = namespace_key(ns)
+            if m.lag().fresh and (m.namespaces is None or key in m.namespaces):
+                self.lookups += 1
+                with m.lock:
+                    table = m.table
+                    found = table.lookup(key, Chain.of(chain), max_nodes, exclude_node)
+                    return [_holder(table, x) for x in found]
+        return [Holder.of(x) for x in self.lookup(ns, chain, max_nodes, exclude_node).matches]
+
+
+def _holder(table: Table, m: Match) -> Holder:
+    """One table match as a Holder (under the table's lock)."""
+    node, rec = m.node, table.packed_records(m.slots)
+    return Holder(
+        node.node_id, m.prefix_blocks, node.host, node.endpoint, tuple(node.transports),
+        rec.addresses, rec.lengths, rec.rkeys, rec.generations, rec.tiers,
+    )  # fmt: skip
+
+
+def read_holders(
+    reads: DirectoryReads,
+    ns: pb.Namespace,
+    chain: Sequence[bytes],
+    max_nodes: int,
+    exclude_node: str = "",
+) -> list[Holder]:
+    """Who holds `chain` (with records), best first: typed off the agent's mirror when
+    it has one, else from a replica's answer."""
+    if isinstance(reads, MirrorReads):
+        return reads.holders(ns, chain, max_nodes, exclude_node)
+    resp = reads.lookup(ns, chain, max_nodes, exclude_node)
+    return [Holder.of(x) for x in resp.matches]
 
 
 def mirror_reads(

@@ -34,11 +34,11 @@ import grpc
 import numpy as np
 
 from kvdir.agent import holders
-from kvdir.agent.directory_reads import DirectoryReads
+from kvdir.agent.directory_reads import DirectoryReads, read_holders
 from kvdir.agent.gpu_pool import GpuTier, slot_of
 from kvdir.agent.limits import HOLDERS_TRIED_MAX
 from kvdir.agent.pool import HEADER_BYTES, KvPool, valid_prefix
-from kvdir.core.client import DirectoryError, records
+from kvdir.core.client import DirectoryError
 from kvdir.core.security import PLAIN, ClientSecurity
 from kvdir.core.wire import AGENT_WIRE_VERSION, BadNamespace, namespace_key
 from kvdir.transfer.base import Channel, Read, TransferError
@@ -215,7 +215,7 @@ class Fetcher:
         timeout_s: float | None = None,
         gpu: GpuTier | None = None,
         skip: int = 0,
-        ticket_holders: Sequence[pb.NodeMatch] | None = None,
+        ticket_holders: Sequence[holders.Holder] | None = None,
     ) -> FetchResult:
         """Pull chain[skip:] into `slots` of `pool` (the caller holds chain[:skip]
         already; the lookup still matches the whole chain from block 0). With `gpu`,
@@ -240,13 +240,12 @@ class Fetcher:
         matches = ticket_holders
         if matches is None:
             try:
-                resp = self.directory.lookup(
-                    ns, chain, exclude_node=self.node_id, max_nodes=LOOKUP_NODES_MAX
+                matches = read_holders(
+                    self.directory, ns, chain, LOOKUP_NODES_MAX, exclude_node=self.node_id
                 )
             except DirectoryError as e:
                 log.warning("lookup for fetch failed", extra={"error": str(e)})
                 return FetchResult(seconds=time.perf_counter() - t0)
-            matches = resp.matches
         result = FetchResult()
         for cand in self.candidates(matches, gpu is not None)[:HOLDERS_TRIED_MAX]:
             match = cand.match
@@ -265,7 +264,7 @@ class Fetcher:
         return result
 
     def candidates(
-        self, matches: Sequence[pb.NodeMatch], gpu_pool: bool
+        self, matches: Sequence[holders.Holder], gpu_pool: bool
     ) -> list[holders.Candidate]:
         """Usable holders among `matches`, best first (what a fetch tries, in order)."""
         reader = holders.Reader(
@@ -369,21 +368,30 @@ def record_slot(
     return slot_of(base, info.slot_bytes, info.slots, address)
 
 
-def _sources(info: apb.PoolInfo, match: pb.NodeMatch, n: int, slot_bytes: int) -> _Sources:
+def _column(data: bytes, dtype: str, n: int) -> list[int]:
+    """The first `n` values of a packed little-endian record column (fewer if short)."""
+    width = np.dtype(dtype).itemsize
+    return np.frombuffer(data, dtype, min(n, len(data) // width)).tolist()  # type: ignore[no-any-return]
+
+
+def _sources(info: apb.PoolInfo, match: holders.Holder, n: int, slot_bytes: int) -> _Sources:
     """The first `n` blocks of `match` as reads; the prefix stops at the first record
-    that is not exactly one whole slot of the holder's pool and of ours."""
-    rec = records(match)
-    gpu = bool(rec.tiers) and rec.tiers[0] == pb.TIER_GPU and info.gpu_rkey != 0
+    that is not exactly one whole slot of the holder's pool and of ours (or where a
+    column ends: a record is whole or not read)."""
+    n = min(n, match.prefix_blocks)
+    addresses, lengths = _column(match.addresses, "<u8", n), _column(match.lengths, "<u4", n)
+    rkeys, gens = _column(match.rkeys, "<u4", n), _column(match.generations, "<u8", n)
+    gpu = bool(match.tiers) and match.tiers[0] == pb.TIER_GPU and info.gpu_rkey != 0
     out = _Sources(gpu, [], [], [], [], [], [], info.rkey)
-    for i in range(min(n, len(rec.addresses))):
-        addr, length = rec.addresses[i], rec.lengths[i]
+    for i in range(min(len(addresses), len(lengths), len(rkeys), len(gens))):
+        addr, length = addresses[i], lengths[i]
         slot = record_slot(info, addr, length, slot_bytes, gpu)
         if slot < 0:
             break
         out.addresses.append(addr)
-        out.rkeys.append(rec.rkeys[i])
+        out.rkeys.append(rkeys[i])
         out.lengths.append(length)
-        out.generations.append(rec.generations[i])
+        out.generations.append(gens[i])
         out.host_addresses.append(info.data_address + slot * info.slot_bytes if gpu else addr)
         out.header_addresses.append(info.header_address + slot * HEADER_BYTES)
     return out
@@ -415,7 +423,7 @@ def _headers(channel: Channel, info: apb.PoolInfo, src: _Sources, timeout_s: flo
 def _read_gpu(
     channel: Channel,
     info: apb.PoolInfo,
-    match: pb.NodeMatch,
+    match: holders.Holder,
     src: _Sources,
     slots: list[int],
     gpu: GpuTier,

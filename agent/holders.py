@@ -47,8 +47,46 @@ class Reader:
 
 
 @dataclass(frozen=True, slots=True)
+class Holder:
+    """One holder's prefix of a chain and its records: the fetch path's typed read.
+
+    The records stay in the directory table's packed little-endian columns (u64
+    addresses, u32 lengths, u32 rkeys, u64 generations, u8 tiers; one entry per
+    prefix block), the same bytes a NodeMatch carries on the wire, so a mirror
+    answer becomes a Holder without building a message, and a ticket's holder
+    becomes a message without re-packing."""
+
+    node_id: str
+    prefix_blocks: int
+    host: str
+    agent_endpoint: str
+    transports: tuple[str, ...]
+    addresses: bytes = b""
+    lengths: bytes = b""
+    rkeys: bytes = b""
+    generations: bytes = b""
+    tiers: bytes = b""
+
+    @classmethod
+    def of(cls, m: pb.NodeMatch) -> Holder:
+        return cls(
+            m.node_id, m.prefix_blocks, m.host, m.agent_endpoint, tuple(m.transports),
+            m.addresses, m.lengths, m.rkeys, m.generations, m.tiers,
+        )  # fmt: skip
+
+    def message(self) -> pb.NodeMatch:
+        """The wire form (a load ticket's holder)."""
+        return pb.NodeMatch(
+            node_id=self.node_id, prefix_blocks=self.prefix_blocks, host=self.host,
+            agent_endpoint=self.agent_endpoint, transports=self.transports,
+            addresses=self.addresses, lengths=self.lengths, rkeys=self.rkeys,
+            generations=self.generations, tiers=self.tiers,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
 class Candidate:
-    match: pb.NodeMatch
+    match: Holder
     path: str
     blocks: int
     """Leading blocks this path can read from this holder (one tier)."""
@@ -65,7 +103,7 @@ def tier_run(tiers: bytes | Sequence[int], n: int) -> int:
     return min(n, len(tiers))
 
 
-def path_of(match: pb.NodeMatch, reader: Reader) -> str:
+def path_of(match: Holder, reader: Reader) -> str:
     """The cheapest path this reader has to `match`'s blocks."""
     gpu_records = bool(match.tiers) and match.tiers[0] == pb.TIER_GPU
     same_host = match.host == reader.host
@@ -78,7 +116,7 @@ def path_of(match: pb.NodeMatch, reader: Reader) -> str:
 
 
 def rank(
-    matches: Sequence[pb.NodeMatch],
+    matches: Sequence[Holder],
     reader: Reader,
     healthy: Sequence[bool],
     rng: random.Random,

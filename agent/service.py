@@ -26,8 +26,10 @@ from typing import NoReturn, cast
 
 import grpc
 
+from kvdir.agent.directory_reads import read_holders
 from kvdir.agent.fetcher import LOOKUP_NODES_MAX, Fetcher, FetchError
 from kvdir.agent.gpu_pool import GpuTier
+from kvdir.agent.holders import Holder
 from kvdir.agent.limits import CHAIN_BLOCKS_MAX, TICKET_HOLDERS_MAX
 from kvdir.agent.metrics import AgentMetrics
 from kvdir.agent.owners import NO_OWNER, Owner, alive, owner_of
@@ -439,24 +441,25 @@ class EngineService(apb_grpc.EngineServicer):
             # The fetcher's directory reads: the agent's mirror while it is fresh, so
             # the connector's scheduler side costs one local RPC and no directory load.
             try:
-                found = self.core.fetcher.directory.lookup(
+                found = read_holders(
+                    self.core.fetcher.directory,
                     request.namespace,
                     chain,
-                    max_nodes=LOOKUP_NODES_MAX,
+                    LOOKUP_NODES_MAX,
                     exclude_node=self.core.node_id,
                 )
             except Exception as e:  # the directory being down must not fail local answers
                 context.set_trailing_metadata((("kvdir-directory-error", str(e)[:200]),))
             else:
-                for m in found.matches:
+                for m in found:
                     resp.peers.add(
                         node_id=m.node_id, prefix_blocks=m.prefix_blocks, transports=m.transports
                     )
-                resp.ticket = self._ticket(state, request.namespace, found.matches, len(local))
+                resp.ticket = self._ticket(state, request.namespace, found, len(local))
         return resp
 
     def _ticket(
-        self, state: PoolState, ns: pb.Namespace, matches: Sequence[pb.NodeMatch], local: int
+        self, state: PoolState, ns: pb.Namespace, matches: Sequence[Holder], local: int
     ) -> bytes:
         """The load ticket of the holders a fetch would try, when one holds more than
         this node's pool (b"" otherwise: nothing to fetch)."""

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 
 from google.protobuf.message import DecodeError
 
+from kvdir.agent.holders import Holder
 from kvdir.agent.limits import (
     CHAIN_BLOCKS_MAX,
     TICKET_BYTES_MAX,
@@ -51,15 +52,15 @@ class Tickets:
     def _mac(self, body: bytes) -> bytes:
         return hashlib.blake2b(body, key=self._key, digest_size=TICKET_MAC_BYTES).digest()
 
-    def issue(self, ns_key: str, epoch: int, holders: Sequence[pb.NodeMatch]) -> bytes:
+    def issue(self, ns_key: str, epoch: int, holders: Sequence[Holder]) -> bytes:
         """The signed ticket of these holders (best first; at most TICKET_HOLDERS_MAX)."""
         assert len(holders) <= TICKET_HOLDERS_MAX, "the caller trims holders to the bound"
         body = apb.LoadTicket(
-            namespace_key=ns_key, epoch=epoch, holders=holders
+            namespace_key=ns_key, epoch=epoch, holders=[h.message() for h in holders]
         ).SerializeToString()
         return body + self._mac(body)
 
-    def check(self, data: bytes, ns_key: str, epoch: int) -> list[pb.NodeMatch]:
+    def check(self, data: bytes, ns_key: str, epoch: int) -> list[Holder]:
         """The holders of a ticket this agent issued for `ns_key` (BadTicket otherwise;
         StaleTicket when it was issued for another epoch of the pool)."""
         if len(data) > TICKET_BYTES_MAX:
@@ -83,7 +84,7 @@ class Tickets:
             )
         for m in t.holders:
             _check_holder(m)
-        return list(t.holders)
+        return [Holder.of(m) for m in t.holders]
 
 
 def _check_holder(m: pb.NodeMatch) -> None:

@@ -7,6 +7,7 @@ transport, as a same-host reader does).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import struct
@@ -39,19 +40,21 @@ def _match(
     host: str = "127.0.0.1",
     transports: tuple[str, ...] = ("tcp", "shm", "cuda"),
     tiers: list[int] | None = None,
-) -> pb.NodeMatch:
+) -> holders.Holder:
     addresses = b"".join(struct.pack("<Q", GPU_BASE + i * SLOT) for i in range(n))
-    return pb.NodeMatch(
-        node_id=node,
-        prefix_blocks=n,
-        host=host,
-        agent_endpoint=f"{host}:1",
-        transports=list(transports),
-        addresses=addresses,
-        lengths=struct.pack(f"<{n}I", *[SLOT] * n),
-        rkeys=struct.pack(f"<{n}I", *[7] * n),
-        generations=struct.pack(f"<{n}Q", *range(1, n + 1)),
-        tiers=bytes(tiers if tiers is not None else [tier] * n),
+    return holders.Holder.of(
+        pb.NodeMatch(
+            node_id=node,
+            prefix_blocks=n,
+            host=host,
+            agent_endpoint=f"{host}:1",
+            transports=list(transports),
+            addresses=addresses,
+            lengths=struct.pack(f"<{n}I", *[SLOT] * n),
+            rkeys=struct.pack(f"<{n}I", *[7] * n),
+            generations=struct.pack(f"<{n}Q", *range(1, n + 1)),
+            tiers=bytes(tiers if tiers is not None else [tier] * n),
+        )
     )
 
 
@@ -59,7 +62,7 @@ GPU_READER = holders.Reader("127.0.0.1", gpu_pool=True, cuda=True)
 
 
 def _rank(
-    matches: list[pb.NodeMatch], reader: holders.Reader = GPU_READER
+    matches: list[holders.Holder], reader: holders.Reader = GPU_READER
 ) -> list[tuple[str, str]]:
     got = holders.rank(matches, reader, [True] * len(matches), random.Random(1))
     return [(c.match.node_id, c.path) for c in got]
@@ -141,9 +144,11 @@ def test_gpu_blocks_validate_against_host_headers_and_stop_at_a_reuse(pool: KvPo
         header_address=pool.header_address, data_address=pool.data_address, slot_bytes=SLOT,
         slots=SLOTS, rkey=region.rkey, gpu_address=GPU_BASE, gpu_rkey=55,
     )  # fmt: skip
-    m = _match("a", 6, pb.TIER_GPU)
-    m.addresses = b"".join(struct.pack("<Q", GPU_BASE + s * SLOT) for s in slots)
-    m.generations = struct.pack("<6Q", *gens)
+    m = dataclasses.replace(
+        _match("a", 6, pb.TIER_GPU),
+        addresses=b"".join(struct.pack("<Q", GPU_BASE + s * SLOT) for s in slots),
+        generations=struct.pack("<6Q", *gens),
+    )
     src = _sources(info, m, 6, SLOT)
     assert src.gpu and src.host_addresses == [pool.slot_address(s) for s in slots]
     _, channel = engine.open_channel([Descriptor(d.name, d.params) for d in engine.descriptors()])

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from kvdir.agent.holders import Holder
 from kvdir.agent.limits import TICKET_BYTES_MAX, TICKET_HOLDERS_MAX
 from kvdir.agent.tickets import BadTicket, StaleTicket, Tickets
 from kvdir.v1 import directory_pb2 as pb
@@ -12,18 +15,20 @@ NS_KEY = "ns-key"
 EPOCH = 7
 
 
-def holder(node: str = "a", n: int = 4, tiers: bool = True) -> pb.NodeMatch:
-    return pb.NodeMatch(
-        node_id=node,
-        prefix_blocks=n,
-        host="127.0.0.1",
-        agent_endpoint="127.0.0.1:1",
-        transports=["tcp"],
-        addresses=bytes(8 * n),
-        lengths=bytes(4 * n),
-        rkeys=bytes(4 * n),
-        generations=bytes(8 * n),
-        tiers=bytes(n) if tiers else b"",
+def holder(node: str = "a", n: int = 4, tiers: bool = True) -> Holder:
+    return Holder.of(
+        pb.NodeMatch(
+            node_id=node,
+            prefix_blocks=n,
+            host="127.0.0.1",
+            agent_endpoint="127.0.0.1:1",
+            transports=["tcp"],
+            addresses=bytes(8 * n),
+            lengths=bytes(4 * n),
+            rkeys=bytes(4 * n),
+            generations=bytes(8 * n),
+            tiers=bytes(n) if tiers else b"",
+        )
     )
 
 
@@ -60,12 +65,11 @@ def test_bounds_and_malformed_holders_are_refused() -> None:
     t = Tickets()
     with pytest.raises(BadTicket, match="over"):
         t.check(b"\0" * (TICKET_BYTES_MAX + 1), NS_KEY, EPOCH)
-    short = holder()
-    short.generations = bytes(8 * 3)  # a column that does not cover the prefix
+    short = dataclasses.replace(holder(), generations=bytes(8 * 3))  # short of the prefix
     for bad, why in (
         (short, "generations"),
         (holder(n=0), "prefix of 0"),
-        (pb.NodeMatch(node_id="x", prefix_blocks=1), "no endpoint"),
+        (Holder("x", 1, "", "", ()), "no endpoint"),
     ):
         with pytest.raises(BadTicket, match=why):
             t.check(t.issue(NS_KEY, EPOCH, [bad]), NS_KEY, EPOCH)
