@@ -1,11 +1,12 @@
 """`kvdir bench vllm --device cuda`: kvdir's connector inside real vLLM engines on one GPU.
 
 Needs a CUDA GPU, CuPy and vLLM 0.24 (the H200 bundle: ../shared/notes/vllm-gpu.md).
-The cluster is bench/vllm/gpu_nodes.py: a 3-replica directory, agents with GPU-tier
-pools, engines a (holder), b (pulls over CUDA IPC), c (pulls over the host path) and
-n (no connector), all on 127.0.0.1.
+Three parts, one after another, each with its own cluster (`--only` picks some):
 
-Checks first, each recorded with what it saw (a failed check fails the run):
+8b (four engines, bench/vllm/gpu_nodes.py): a 3-replica directory, agents with
+GPU-tier pools, engines a (holder), b (pulls over CUDA IPC), c (pulls over the host
+path) and n (no connector), all on 127.0.0.1. Checks first, each recorded with what
+it saw (a failed check fails the run):
 - ipc / host: a computes an 8k-token prompt P; b (CUDA IPC) and c (host path) serve
   P + a new turn: vLLM reports P's full blocks cached, kvdir's load counters name
   the path, and the greedy 64-token answer equals n's recompute;
@@ -14,13 +15,17 @@ Checks first, each recorded with what it saw (a failed check fails the run):
   load, the rest is recomputed, same answer, the validation miss counted;
 after the measurements (they need a alive): agent a killed during b's load, then
 the directory down: b recomputes, same answer, within a bound.
-
 Then per prefix length: turn-2 TTFT on the same prompt and turn, side by side:
 n recomputes; b pulls over CUDA IPC; c pulls over the host path; b again, served
 from vLLM's own prefix cache (the floor); a's prefill with the connector saving
 next to n's plain prefill of a same-length prompt; the connector's load seconds
 next to a bare device copy of the same bytes (CUDA IPC) and the agent's bare
 fetch of them (host path). One TTFT is one `LLM.generate` of one output token.
+
+70b and peer (two engines of the 70B shape cut to 20 layers, bench/vllm/gpu_two.py):
+b's pull over CUDA IPC against b's own recompute and local hit at 8k tokens; then
+vLLM's OffloadingConnector reloading an engine's own prefix from its CPU tier next
+to kvdir's connector reloading it from the engine's own pool.
 """
 
 from __future__ import annotations
@@ -29,30 +34,33 @@ import argparse
 import contextlib
 import datetime as dt
 import os
-import random
-import re
 import signal
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.vllm.gpu_args import add_arguments
-from bench.vllm.gpu_nodes import BLOCK_TOKENS, HASH_ALGO, SHAPES, GpuNodes, gpu_nodes
+from bench.vllm import gpu_two
+from bench.vllm.gpu_args import add_arguments, parts_of
+from bench.vllm.gpu_calls import (
+    ANSWER_TOKENS,
+    HASH_SEED,
+    TURN_TOKENS,
+    EngineCalls,
+    bare_copy_s,
+    keys,
+    prompt,
+)
+from bench.vllm.gpu_nodes import BLOCK_TOKENS, SHAPES, GpuNodes, gpu_nodes
+from bench.vllm.gpu_pair import drop_pools
 from kvdir import report
-from kvdir.core.hashing import vllm_block_digests, vllm_hash_fn, vllm_none_hash
 from kvdir.local import ClusterError, wait_agent_sees
 
 DEFAULT_TOKENS = (1024, 4096, 8192)
-TURN_TOKENS = 64
 CHECK_TOKENS = 8192
-ANSWER_TOKENS = 64
-HASH_SEED = "0"
-"""PYTHONHASHSEED of every engine (vLLM 0.24 seeds sha256 block hashes with it)."""
 FALLBACK_S_MAX = 30.0
 IPC_VS_FLOOR_MAX = 1.15
 LOAD_VS_COPY_MAX = 2.0
@@ -60,73 +68,12 @@ HOST_LOAD_VS_BARE_MIN = 0.7
 SAVE_OVERHEAD_MAX = 0.03
 
 
-def prompt(seed: int, n: int, vocab: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, vocab - 10) for _ in range(n)]
+class Bench(EngineCalls):
+    """The four-engine part's checks and measurements (engines a, b, c, n)."""
 
-
-def keys(tokens: list[int], salt: str | None = None) -> list[bytes]:
-    """vLLM 0.24's sha256 block hashes of `tokens` under PYTHONHASHSEED=HASH_SEED; a
-    cache_salt is the first block's only extra key (0.24's kv_cache_utils)."""
-    if not salt:
-        return vllm_block_digests(tokens, BLOCK_TOKENS, HASH_ALGO, seed=HASH_SEED)
-    first = tuple(tokens[:BLOCK_TOKENS])
-    none = vllm_none_hash(HASH_ALGO, HASH_SEED)
-    h0 = vllm_hash_fn(HASH_ALGO)((none, first, (salt,)))
-    rest = vllm_block_digests(
-        tokens[BLOCK_TOKENS:], BLOCK_TOKENS, HASH_ALGO, seed=HASH_SEED, parent=h0
-    )
-    return [h0, *rest]
-
-
-LOAD_LINE = re.compile(
-    r"kvdir load: request (?P<req>\S+), blocks (?P<start>\d+)\.\.(?P<end>\d+): "
-    r"(?P<pool>\d+) from this node's pool, (?P<peer>\d+) from peers over (?P<transport>\S+) "
-    r"\((?P<bytes>\d+) B\), (?P<recomputed>\d+) recomputed, (?P<ms>[\d.]+) ms "
-    r"\(reserve (?P<reserve_ms>[\d.]+), fetch (?P<fetch_ms>[\d.]+) of which agent "
-    r"(?P<agent_ms>[\d.]+) and read (?P<read_ms>[\d.]+), copy (?P<copy_ms>[\d.]+)\)"
-)
-"""The worker's line per load (agent/vllm/worker.py): vLLM 0.24's offline engine has no
-Prometheus registry for the connector's series, so the bench reads the log."""
-
-
-def parse_loads(text: str) -> list[dict[str, Any]]:
-    out = []
-    for m in LOAD_LINE.finditer(text):
-        d: dict[str, Any] = m.groupdict()
-        for k in ("start", "end", "pool", "peer", "bytes", "recomputed"):
-            d[k] = int(d[k])
-        for k in ("ms", "reserve_ms", "fetch_ms", "agent_ms", "read_ms", "copy_ms"):
-            d[k] = float(d[k])
-        out.append(d)
-    return out
-
-
-class Bench:
     def __init__(self, n: GpuNodes) -> None:
+        super().__init__(n.engines, n.shape.vocab)
         self.n = n
-        self.vocab = n.shape.vocab
-        self.checks: list[dict[str, Any]] = []
-        self._log_at: dict[str, int] = {}
-
-    def new_loads(self, name: str) -> list[dict[str, Any]]:
-        """The loads engine `name` logged since the last call (its log is appended to)."""
-        with open(self.n.engines[name].log_path, "rb") as f:
-            f.seek(self._log_at.get(name, 0))
-            text = f.read()
-            self._log_at[name] = f.tell()
-        return parse_loads(text.decode(errors="replace"))
-
-    # ------------------------------------------------------------ helpers
-
-    def gen(self, name: str, tokens: list[int], max_tokens: int = 1, **kw: Any) -> dict[str, Any]:
-        r = self.n.engines[name].generate([tokens], max_tokens=max_tokens, **kw)
-        out = dict(r["outputs"][0])
-        out["seconds"] = float(r["seconds"])
-        return out
-
-    def metrics(self, name: str) -> dict[str, float]:
-        return self.n.engines[name].metrics()
 
     def a_holds(self, tokens: list[int], salt: str | None = None) -> None:
         """Wait until agents b and c see a holding every full block of `tokens`."""
@@ -135,17 +82,6 @@ class Bench:
         ns = self.n.shape.ns()
         for sock in (self.n.socket("b"), self.n.socket("c")):
             wait_agent_sees(sock, ns, chain, "a", blocks, timeout_s=60.0)
-
-    def check(self, name: str, fn: Callable[[], dict[str, Any]]) -> None:
-        t0 = time.monotonic()
-        try:
-            seen = fn()
-            ok = bool(seen.pop("ok"))
-        except Exception as e:  # one failed check must not hide the others
-            seen, ok = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()}, False
-        seen.update(check=name, ok=ok, seconds=round(time.monotonic() - t0, 3))
-        self.checks.append(seen)
-        print(f"==> check {name}: {'ok' if ok else 'FAILED'} {seen}", flush=True)
 
     # ------------------------------------------------------------- checks
 
@@ -188,7 +124,7 @@ class Bench:
         }
 
     def reuse(self) -> dict[str, Any]:
-        from kvdir.agent.engine_client import EngineClient
+        from kvdir.agent.engine.client import EngineClient
 
         p = prompt(21, 4096, self.vocab)
         turn = p + prompt(22, TURN_TOKENS, self.vocab)
@@ -279,25 +215,9 @@ class Bench:
 
     # -------------------------------------------------------- measurements
 
-    def bare_copy_s(self, nbytes: int) -> float:
-        """A device-to-device copy of `nbytes` in one call (the connector's floor)."""
-        import torch
-
-        src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        torch.cuda.synchronize()
-        out = time.perf_counter() - t0
-        del src, dst
-        torch.cuda.empty_cache()
-        return out
-
     def bare_fetch(self, tokens: list[int]) -> dict[str, Any]:
         """Agent c's own fetch of `tokens`' blocks (tcp into pinned host, one upload)."""
-        from kvdir.agent.engine_client import EngineClient
+        from kvdir.agent.engine.client import EngineClient
 
         chain, ns = keys(tokens), self.n.shape.ns()
         client = EngineClient(self.n.socket("c"))
@@ -339,7 +259,7 @@ class Bench:
         row["floor"] = floor["seconds"]
         row["floor_cached"] = floor["cached"]
         nbytes = (len(p) // BLOCK_TOKENS) * self.n.shape.block_bytes
-        row["bare_copy_s"] = self.bare_copy_s(nbytes)
+        row["bare_copy_s"] = bare_copy_s(nbytes)
         row["bytes"] = nbytes
         print(f"==> {tokens} tokens: {row}", flush=True)
         return row
@@ -375,14 +295,25 @@ def _ms(x: float) -> str:
     return f"{1000 * x:.1f}"
 
 
-def markdown(
-    head: dict[str, Any],
-    shape: str,
-    summary: list[dict[str, Any]],
-    checks: list[dict[str, Any]],
-    targets: list[report.Target],
-    note: str,
-) -> str:
+def targets_8b(summary: list[dict[str, Any]]) -> list[report.Target]:
+    longest = max(summary, key=lambda s: s["tokens"]) if summary else None
+    return [
+        report.at_most("ipc_vs_floor", f"pulled TTFT over CUDA IPC / local hit at "
+                       f"{longest['tokens'] if longest else '-'} tokens",
+                       longest["ipc_vs_floor"] if longest else None, IPC_VS_FLOOR_MAX, "x"),
+        report.at_most("load_vs_copy", "IPC load / bare device copy (worst)",
+                       max((s["ipc_load_vs_copy"] for s in summary), default=None),
+                       LOAD_VS_COPY_MAX, "x"),
+        report.at_least("host_vs_bare", "host-path load rate / bare fetch rate (worst)",
+                        min((s["host_load_vs_bare"] for s in summary), default=None),
+                        HOST_LOAD_VS_BARE_MIN, "x"),
+        report.at_most("save_overhead", "prefill added by saving (worst)",
+                       max((s["save_overhead"] for s in summary), default=None),
+                       SAVE_OVERHEAD_MAX, ""),
+    ]  # fmt: skip
+
+
+def markdown_8b(shape: str, summary: list[dict[str, Any]]) -> list[str]:
     ms = _ms
     rows = [
         [s["tokens"], ms(s["recompute_s"]), ms(s["ipc_s"]), ms(s["host_s"]), ms(s["floor_s"]),
@@ -398,43 +329,36 @@ def markdown(
         "bare agent fetch ms", "plain prefill ms", "saving prefill ms", "save overhead",
         "cached tokens (min)", "same first token",
     ]  # fmt: skip
+    return [f"Model: {shape}.", "", "## Turn-2 TTFT (median of repeats)", "",
+            report.table(rows, head_cells), ""]  # fmt: skip
+
+
+def markdown(
+    head: dict[str, Any],
+    sections: list[str],
+    checks: list[dict[str, Any]],
+    targets: list[report.Target],
+    note: str,
+) -> str:
     check_rows = [[c["check"], "ok" if c["ok"] else "FAILED",
                    {k: v for k, v in c.items() if k not in ("check", "ok", "trace")}]
                   for c in checks]  # fmt: skip
     return "\n".join([
         "# kvdir bench vllm --device cuda", "", report.header_markdown(head), "",
-        f"Model: {shape}. {note}", "", "## Turn-2 TTFT (median of repeats)", "",
-        report.table(rows, head_cells), "", "## Checks", "",
+        note, "", *sections, "## Checks", "",
         report.table(check_rows, ["check", "result", "seen"]), "", "## Targets", "",
         report.targets_table(targets), "",
     ])  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> int:
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    shape = SHAPES[args.shape]
-    started = dt.datetime.now(dt.UTC)
-    head = report.header(started)
-    try:
-        import vllm
-
-        head["vllm"] = vllm.__version__
-    except ImportError:
-        print("kvdir bench vllm --device cuda: vLLM is not importable here", file=sys.stderr)
-        return 2
-    os.environ["PYTHONHASHSEED"] = HASH_SEED
+def run_8b(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
+    """The four-engine part (8B shape): checks, then turn-2 TTFT per prefix length."""
+    shape = SHAPES["8b"]
     max_len = max(args.tokens) + TURN_TOKENS + 4 * BLOCK_TOKENS
     max_len = max(max_len, CHECK_TOKENS + TURN_TOKENS + 4 * BLOCK_TOKENS)
     raw: dict[int, list[dict[str, Any]]] = {t: [] for t in args.tokens}
-    checks: list[dict[str, Any]] = []
-    if args.work_dir:  # kept: its logs are the record of a device run
-        os.makedirs(args.work_dir, exist_ok=True)
-        base_ctx: Any = contextlib.nullcontext(args.work_dir)
-    else:
-        # Pools in memory: a file-backed mapping cannot be page-locked for the GPU.
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        base_ctx = tempfile.TemporaryDirectory(prefix="kvdir-bench-gpu-", dir=shm)
-    with base_ctx as tmp, gpu_nodes(tmp, shape, max_len, args.pool_slots, args.memory_share) as n:
+    t0 = time.monotonic()
+    with gpu_nodes(tmp, shape, max_len, args.pool_slots, args.memory_share) as n:
         b = Bench(n)
         b.gen("n", prompt(1, 256, shape.vocab))  # warm every engine once
         for name in ("a", "b", "c"):
@@ -454,33 +378,75 @@ def run(args: argparse.Namespace) -> int:
         if not args.skip_checks:
             b.check("agent_killed", b.agent_killed)
             b.check("directory_down", b.directory_down)
-        checks = b.checks
+    drop_pools(tmp)
     summary = [summarize(rows) for rows in raw.values() if rows]
-    longest = max(summary, key=lambda s: s["tokens"]) if summary else None
-    targets = [
-        report.at_most("ipc_vs_floor", f"pulled TTFT over CUDA IPC / local hit at "
-                       f"{longest['tokens'] if longest else '-'} tokens",
-                       longest["ipc_vs_floor"] if longest else None, IPC_VS_FLOOR_MAX, "x"),
-        report.at_most("load_vs_copy", "IPC load / bare device copy (worst)",
-                       max((s["ipc_load_vs_copy"] for s in summary), default=None),
-                       LOAD_VS_COPY_MAX, "x"),
-        report.at_least("host_vs_bare", "host-path load rate / bare fetch rate (worst)",
-                        min((s["host_load_vs_bare"] for s in summary), default=None),
-                        HOST_LOAD_VS_BARE_MIN, "x"),
-        report.at_most("save_overhead", "prefill added by saving (worst)",
-                       max((s["save_overhead"] for s in summary), default=None),
-                       SAVE_OVERHEAD_MAX, ""),
-    ]  # fmt: skip
+    return {"shape": shape.describe(), "summary": summary, "raw": raw, "checks": b.checks,
+            "seconds": time.monotonic() - t0}  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    parts = parts_of(args)
+    started = dt.datetime.now(dt.UTC)
+    head = report.header(started)
+    try:
+        import vllm
+
+        head["vllm"] = vllm.__version__
+    except ImportError:
+        print("kvdir bench vllm --device cuda: vLLM is not importable here", file=sys.stderr)
+        return 2
+    os.environ["PYTHONHASHSEED"] = HASH_SEED
+    if args.work_dir:  # kept: its logs are the record of a device run
+        os.makedirs(args.work_dir, exist_ok=True)
+        base_ctx: Any = contextlib.nullcontext(args.work_dir)
+    else:
+        # Pools in memory: a file-backed mapping cannot be page-locked for the GPU.
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        base_ctx = tempfile.TemporaryDirectory(prefix="kvdir-bench-gpu-", dir=shm)
+    four: dict[str, Any] = {"shape": SHAPES["8b"].describe(), "summary": [], "raw": {},
+                            "checks": []}  # fmt: skip
+    two: dict[str, Any] | None = None
+    with base_ctx as tmp:
+        if "8b" in parts:
+            try:
+                four = run_8b(args, tmp)
+            except Exception as e:  # the two-engine parts still run
+                four["error"] = f"{type(e).__name__}: {e}"
+                print(f"==> 8b part failed: {four['error']}", flush=True)
+        if "70b" in parts or "peer" in parts:
+            two = gpu_two.run_two(args, tmp, tuple(p for p in parts if p != "8b"))
+    summary = four["summary"]
+    targets = targets_8b(summary) if "8b" in parts else []
     head["wall_s"] = (dt.datetime.now(dt.UTC) - started).total_seconds()
-    md = markdown(head, shape.describe(), summary, checks, targets, args.note)
-    data = {**head, "shape": shape.describe(), "summary": summary, "raw": raw, "checks": checks,
-            "targets": [t.as_dict() for t in targets]}  # fmt: skip
+    sections = markdown_8b(four["shape"], summary) if "8b" in parts else []
+    if "error" in four:
+        sections += [f"8B part failed: `{four['error']}`", ""]
+    sections += gpu_two.markdown(two) if two is not None else []
+    sections += [_timing(parts, four, two), ""]
+    checks = four["checks"] + (two["checks"] if two is not None else [])
+    md = markdown(head, sections, checks, targets, args.note)
+    data = {**head, "parts": list(parts), "shape": four.get("shape"), "summary": summary,
+            "raw": four["raw"], "checks": four["checks"],
+            "targets": [t.as_dict() for t in targets], "two_engine": two}  # fmt: skip
     md_path, js_path = report.write(Path(args.out), f"vllm-gpu-{started:%Y-%m-%d}", md, data)
     print(md)
     print(f"wrote {md_path} and {js_path}")
-    failed = [c["check"] for c in checks if not c["ok"]]
+    failed = [c["check"] for c in four["checks"] if not c["ok"]]
+    failed += ["error:8b"] if "error" in four else []
+    failed += gpu_two.failed(two) if two is not None else []
     wrong = not all(s["correct"] for s in summary)
+    if failed:
+        print(f"kvdir bench vllm --device cuda: failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed or wrong else 0
+
+
+def _timing(parts: tuple[str, ...], four: dict[str, Any], two: dict[str, Any] | None) -> str:
+    got = {"8b": four.get("seconds")} if "8b" in parts else {}
+    got.update(two["part_s"] if two is not None else {})
+    return "Seconds per part (engine starts included): " + ", ".join(
+        f"{k} {v:.0f}" for k, v in got.items() if v is not None
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -133,7 +133,11 @@ class GpuEngine(Engine):
         }
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "bench.vllm.driver"]
+        return [sys.executable, "-m", "bench.vllm.gpu_driver"]
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop vLLM's GPU prefix cache; False while a request still holds blocks."""
+        return bool(self.call({"op": "reset_prefix_cache"})["reset"])
 
 
 @dataclass
@@ -176,17 +180,18 @@ def _daemon_b(cluster: LocalCluster, base: str, shape: GpuShape, slots: int) -> 
     return AgentDaemon(cfg)
 
 
-def _engine(
-    name: str, base: str, model_dir: str, shape: GpuShape, max_len: int, socket: str | None,
-    memory_share: float,
-) -> GpuEngine:  # fmt: skip
-    ktc = (
-        connector_config(
-            socket, load_timeout_ms=LOAD_TIMEOUT_MS, lookup_timeout_ms=LOOKUP_TIMEOUT_MS
-        )
-        if socket
-        else None
+def kvdir_config(socket: str) -> dict[str, Any]:
+    """kvdir's connector for the agent at `socket` (the test tier's config, the bench's bounds)."""
+    return connector_config(
+        socket, load_timeout_ms=LOAD_TIMEOUT_MS, lookup_timeout_ms=LOOKUP_TIMEOUT_MS
     )
+
+
+def gpu_engine(
+    name: str, base: str, model_dir: str, shape: GpuShape, max_len: int,
+    ktc: dict[str, Any] | None, memory_share: float,
+) -> GpuEngine:  # fmt: skip
+    """Engine `name` (not started): `ktc` is its kv_transfer_config, None for none."""
     return GpuEngine(
         name,
         model_dir,
@@ -231,7 +236,8 @@ def gpu_nodes(
             "n": None,
         }
         for name, sock in sockets.items():
-            e = _engine(name, base, model_dir, shape, max_len, sock, memory_share)
+            ktc = kvdir_config(sock) if sock else None
+            e = gpu_engine(name, base, model_dir, shape, max_len, ktc, memory_share)
             engines[name] = e
             e.launch()
             e.wait_ready()
