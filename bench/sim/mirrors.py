@@ -83,7 +83,7 @@ class MirrorKnobs:
         return cls(
             stall=rng.choice([0.0, 0.1, 0.5]),
             wander=rng.choice([0.0, 0.002, 0.01]),
-            history_entries_max=rng.choice([8, 64, WatchLimits().history_entries_max]),
+            history_entries_max=rng.choice([4, 16, WatchLimits().history_entries_max]),
         )
 
     def limits(self) -> WatchLimits:
@@ -122,6 +122,8 @@ class SimMirror:
         self.clock = clock
         self.retry_at = 0.0
         self.pause_s = RETRY_S_MIN
+        self.sent_at = 0.0
+        """When the stream last sent an event (simulated time)."""
         self.services: dict[str, tuple[int, WatchService]] = {}
         self.stream: _Stream | None = None
         self.next_at = ""
@@ -151,7 +153,7 @@ class SimMirror:
             self.retry_at = 0.0  # catching up at the end: the cluster is quiet, no back-off
         if self.stream is None and not self._open(running):
             return
-        self._pump()
+        self._pump(quiet)
 
     def _open(self, running: dict[str, int]) -> bool:
         order = sorted(running)
@@ -178,18 +180,25 @@ class SimMirror:
         self.next_at = addr
         return True
 
-    def _pump(self) -> None:
+    def _pump(self, quiet: bool) -> None:
         s = self.stream
         assert s is not None
+        w, heartbeat_s = s.watcher, self.limits.heartbeat_ms / 1000
         for _ in range(EVENTS_PER_STEP_MAX):
             ev = next(s.first, None)
             if ev is None:
+                # As the stream's `take` would: nothing is sent before there is
+                # something queued or a heartbeat is due (always, when catching up).
+                idle = not w.buffer and w.cut is None
+                if idle and not quiet and self.clock() - self.sent_at < heartbeat_s:
+                    return
                 item = s.service.next_event(s.watcher, 0.0)
                 if isinstance(item, CutOff):
                     self._note(f"mirror: cut off by {s.address}: {item.reason}")
                     self._end(advance=item.reason != "watcher-too-slow")
                     return
                 ev = item
+            self.sent_at = self.clock()
             if not self._feed(ev):
                 return
             if ev.HasField("heartbeat"):

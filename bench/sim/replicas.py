@@ -74,11 +74,19 @@ class SimClock:
             random.setstate(state)
 
 
+_HASHES: dict[Any, int] = {}
+"""Node id -> its stable hash (pysyncobj hashes nodes ~10 times a step: cached)."""
+
+
 def _stable_hash(node: Any) -> int:
     """pysyncobj keeps nodes in sets and iterates them (sending, counting); a node hashes
     as its address string, whose hash differs per process. A hash of the bytes keeps that
     order, and so every clock reading and message, the same in every process."""
-    return zlib.crc32(str(node.id).encode())
+    key = node.id
+    h = _HASHES.get(key)
+    if h is None:
+        h = _HASHES[key] = zlib.crc32(str(key).encode())
+    return h
 
 
 class _NullPoller:

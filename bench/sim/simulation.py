@@ -102,6 +102,8 @@ class Simulation:
         self.mirror = SimMirror(seed, lambda: self.clock.now, self.note, self.violation, tamper)
         self.mirror_checks = MirrorChecks(self.violation)
         self._mirror_seen = -1
+        self.mirror_digests = 0
+        """Times the mirror's digest was compared with a replica's."""
 
     # ------------------------------------------------------------------ trace
 
@@ -292,9 +294,13 @@ class Simulation:
     def _check_mirror(self, sample: bool) -> None:
         m = self.mirror.mirror
         self.mirror_checks.position(m.applied_index, m.commit_index, self.max_commit)
-        if sample and m.ready and m.applied_index != self._mirror_seen:
+        # Only where a replica's digest at that index is known (the source's, when the
+        # mirror has caught up with it): a digest of its own would be compared with none.
+        comparable = m.applied_index in self.inv.digests
+        if sample and m.ready and comparable and m.applied_index != self._mirror_seen:
             applied, digest = m.digest()
             self._mirror_seen = applied
+            self.mirror_digests += 1
             self.inv.digest("mirror", applied, digest)
 
     # ------------------------------------------------------------ the end
@@ -357,6 +363,7 @@ class Simulation:
                 "streams": self.mirror.streams,
                 "snapshots": self.mirror.mirror.snapshots,
                 "events": self.mirror.events,
+                "digests": self.mirror_digests,
             },
             "steps_run": self.step,
         }
