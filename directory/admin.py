@@ -27,10 +27,11 @@ from typing import NoReturn
 import grpc
 
 from kvdir.core.security import authorize_admin
-from kvdir.directory import backup
+from kvdir.directory import backup, shard_admin
 from kvdir.directory.config import DirectoryConfig
 from kvdir.directory.consensus.membership import MembershipError, parse_raft_address
 from kvdir.directory.consensus.port import Consensus, Done, Member, Outcome, WriteResult
+from kvdir.directory.shard_view import ShardView
 from kvdir.v1 import directory_pb2 as pb
 from kvdir.v1 import directory_pb2_grpc as pb_grpc
 
@@ -54,8 +55,10 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
         leader_grpc: Callable[[], str],
         label: Callable[[str], tuple[str, str]],
         cluster_id: str,
+        shard_view: ShardView | None = None,
     ) -> None:
         self.cfg = cfg
+        self.shard_view = shard_view or ShardView(cfg.group, sharded=False)
         self.consensus = consensus
         self.leader_grpc = leader_grpc
         self.label = label
@@ -220,6 +223,14 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
                 f"remove {addr}",
                 context,
             )
+
+    # ---------------------------------------------------------------- shards
+
+    def SetShardMap(
+        self, request: pb.SetShardMapRequest, context: grpc.ServicerContext
+    ) -> pb.SetShardMapResponse:
+        authorize_admin(context, self.cfg.auth.admins, "change the shard map")
+        return shard_admin.set_shard_map(self.shard_view, self.consensus, request, context)
 
     # ---------------------------------------------------------------- backup
 

@@ -49,6 +49,7 @@ from kvdir.directory.limits import (
     RequestLimits,
     WatchLimits,
 )
+from kvdir.directory.shard_view import HOME_GROUP
 
 _CLUSTER_ID_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
@@ -92,6 +93,20 @@ class DirectoryConfig:
     contract"): "power-loss" (fsync before acknowledging) or the weaker
     "process-crash" (a kernel crash or power loss of a majority may lose about
     the last second of acknowledged writes)."""
+    group: str = "g0"
+    """This replica's shard group (docs/sharding.md); "g0" holds the shard map."""
+    shard_home: tuple[str, ...] = ()
+    """gRPC addresses of the home group's replicas. Empty (and no shard_map_init):
+    unsharded, today's behaviour: this group owns every key."""
+    shard_map_init: str = ""
+    """Home group only: a shard map file (JSON, kvdir.core.shard_map) its leader
+    commits as the first map when none is committed yet."""
+    shard_refresh_ms: int = 1000
+    """How often a sharded replica asks the home group for a newer map."""
+
+    @property
+    def sharded(self) -> bool:
+        return bool(self.shard_home or self.shard_map_init)
 
     def grpc_of_raft(self) -> dict[str, str]:
         """Raft address -> gRPC address for every member (for leader hints)."""
@@ -127,6 +142,10 @@ def from_dict(raw: dict[str, Any]) -> DirectoryConfig:
     ]
     if missing:
         raise ConfigError(f"missing required keys: {', '.join(missing)}")
+    if isinstance(raw.get("shard_home"), list | tuple):
+        raw["shard_home"] = tuple(str(a) for a in raw["shard_home"])
+    elif "shard_home" in raw:
+        raise ConfigError("shard_home must be an array of gRPC addresses")
     try:
         cfg = DirectoryConfig(
             peers=peers, limits=limits, raft=tuning, watch=watch, tls=tls, auth=auth, **raw
@@ -188,10 +207,24 @@ def _check(cfg: DirectoryConfig) -> None:
         Durability.parse(cfg.durability)
     except ValueError as e:
         raise ConfigError(str(e)) from e
+    _check_shards(cfg)
     if cfg.log_format not in ("json", "text"):
         raise ConfigError("log_format must be 'json' or 'text'")
     if cfg.grpc_workers <= 0 or cfg.lease_sweep_ms <= 0 or cfg.lease_default_ms <= 0:
         raise ConfigError("grpc_workers, lease_sweep_ms and lease_default_ms must be > 0")
+
+
+def _check_shards(cfg: DirectoryConfig) -> None:
+    if not _CLUSTER_ID_RE.match(cfg.group):
+        raise ConfigError("group must be 1-64 of [A-Za-z0-9_.-]")
+    if cfg.shard_map_init and cfg.group != HOME_GROUP:
+        raise ConfigError(
+            f"shard_map_init is for the home group {HOME_GROUP!r}, not group {cfg.group!r}"
+        )
+    if cfg.shard_refresh_ms <= 0:
+        raise ConfigError("shard_refresh_ms must be > 0")
+    if any(not a or "," in a for a in cfg.shard_home):
+        raise ConfigError("shard_home is a list of HOST:PORT gRPC addresses")
 
 
 def load(path: str, overrides: dict[str, Any] | None = None) -> DirectoryConfig:

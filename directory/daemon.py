@@ -18,9 +18,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from kvdir.core.security import SecurityConfigError, ServerSecurity, read_raft_password
+from kvdir.core.security import (
+    ClientSecurity,
+    SecurityConfigError,
+    ServerSecurity,
+    read_raft_password,
+)
+from kvdir.core.shard_map import ShardMap, ShardMapError
 from kvdir.core.wire import GRPC_MESSAGE_BYTES_MAX
 from kvdir.directory.admin import AdminService
+from kvdir.directory.commands import Command, Result, ShardMapSet
 from kvdir.directory.config import DirectoryConfig
 from kvdir.directory.consensus.membership import (
     MembershipError,
@@ -39,6 +46,14 @@ from kvdir.directory.server import (
     LeaseSweeper,
     WallClock,
 )
+from kvdir.directory.shard_service import (
+    HomeClient,
+    MapRefresher,
+    ShardGuard,
+    init_committer,
+    own_table_fetch,
+)
+from kvdir.directory.shard_view import ShardView
 from kvdir.directory.watch import WatchService
 from kvdir.v1 import directory_pb2 as pb
 from kvdir.v1 import directory_pb2_grpc as pb_grpc
@@ -67,6 +82,8 @@ class DirectoryDaemon:
         self._metrics_server: Any = None
         self._service: DirectoryService | None = None
         self.watch: WatchService | None = None
+        self.refresher: MapRefresher | None = None
+        self._home_client: HomeClient | None = None
 
     def _on_role_changed(self, old: Role, new: Role) -> None:
         log.info("raft role changed", extra={"from": int(old), "to": int(new)})
@@ -82,6 +99,44 @@ class DirectoryDaemon:
             return None
         return read_raft_password(path)
 
+    def _init_map(self) -> ShardMap | None:
+        path = self.cfg.shard_map_init
+        if not path:
+            return None
+        try:
+            with open(path, encoding="utf-8") as f:
+                m = ShardMap.from_json(f.read())
+        except (OSError, UnicodeDecodeError, ShardMapError) as e:
+            raise StartError(f"shard map file {path}: {e}") from e
+        if m.version != 1:
+            raise StartError(f"shard map file {path}: the first map is version 1, not {m.version}")
+        return m
+
+    def _shard_guard(self, consensus: Consensus, init_map: ShardMap | None) -> ShardGuard:
+        """The shard check of this replica, and (when sharded) the thread that follows the map."""
+        cfg = self.cfg
+        view = ShardView(cfg.group, cfg.sharded)
+        if not cfg.sharded:
+            return ShardGuard(view, None)
+        if view.home:
+            fetch = own_table_fetch(consensus)
+        else:
+            client_security = ClientSecurity.from_config(cfg.tls, cfg.auth)
+            self._home_client = HomeClient(cfg.shard_home, client_security)
+            fetch = self._home_client.fetch
+        init = init_committer(consensus, init_map) if init_map is not None else None
+        refresher = MapRefresher(view, fetch, cfg.shard_refresh_ms / 1000, init=init)
+        refresher.stop_event = self._stop
+        self.refresher = refresher
+        if view.home:  # follow its own log at once, not only at the next refresh
+
+            def on_apply(_index: int, _cmd: Command, result: Result) -> None:
+                if isinstance(result, ShardMapSet):
+                    view.offer(result.shard_map)  # on the consensus thread: O(shards)
+
+            consensus.add_apply_listener(on_apply, lambda _index: refresher.wake())
+        return ShardGuard(view, refresher)
+
     def start(self) -> None:
         cfg = self.cfg
         try:
@@ -89,6 +144,7 @@ class DirectoryDaemon:
             password = self._raft_password()
         except SecurityConfigError as e:
             raise StartError(str(e)) from e
+        init_map = self._init_map()
         try:
             self._lock_fd = lock_data_dir(cfg.data_dir)
             cluster_id = resolve_cluster_id(cfg.data_dir, cfg.cluster_id)
@@ -115,6 +171,7 @@ class DirectoryDaemon:
             raise StartError(f"cannot bind raft address {cfg.raft_address}") from e
         self.consensus = consensus = raft
         service = DirectoryService(cfg, consensus, self.metrics, self.clock)
+        service.shards = self._shard_guard(consensus, init_map)
         self._service = service
         self.watch = watch = WatchService(consensus, cfg.replica_id, cfg.watch)
         watch.attach()
@@ -133,7 +190,9 @@ class DirectoryDaemon:
             ],
         )
         pb_grpc.add_PrefixDirectoryServicer_to_server(service, server)
-        admin = AdminService(cfg, consensus, service.leader_grpc, service.label, cluster_id)
+        admin = AdminService(
+            cfg, consensus, service.leader_grpc, service.label, cluster_id, service.shards.view
+        )
         pb_grpc.add_DirectoryAdminServicer_to_server(admin, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         admin_name = pb.DESCRIPTOR.services_by_name["DirectoryAdmin"].full_name
@@ -164,7 +223,10 @@ class DirectoryDaemon:
             cfg.limits.write_timeout_ms / 1000,
         )
         sweeper.stop = self._stop
-        for name, target in (("kvdir-health", self._health_loop), ("kvdir-leases", sweeper.run)):
+        loops = [("kvdir-health", self._health_loop), ("kvdir-leases", sweeper.run)]
+        if self.refresher is not None:
+            loops.append(("kvdir-shard-map", self.refresher.run))
+        for name, target in loops:
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -178,6 +240,8 @@ class DirectoryDaemon:
                 "peers": [p.replica_id for p in cfg.peers],
                 "members": consensus.member_addresses(),
                 "cluster_id": cluster_id,
+                "group": cfg.group,
+                "sharded": cfg.sharded,
             },
         )
 
@@ -218,6 +282,8 @@ class DirectoryDaemon:
     def stop(self, grace_s: float = 2.0) -> None:
         """Leave gracefully: stop serving, hand over leadership, close."""
         self._stop.set()
+        if self.refresher is not None:
+            self.refresher.stop()
         if self.watch is not None:
             self.watch.hub.stop()  # ends every Watch stream (they resume elsewhere)
         self.health.enter_graceful_shutdown()
@@ -243,6 +309,8 @@ class DirectoryDaemon:
             self._metrics_server.shutdown()
         if c is not None:
             c.close()
+        if self._home_client is not None:
+            self._home_client.close()
         log.info("directory replica stopped", extra={"replica_id": self.cfg.replica_id})
 
     def wait(self) -> None:

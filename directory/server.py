@@ -48,6 +48,8 @@ from kvdir.directory.config import DirectoryConfig
 from kvdir.directory.consensus.port import Consensus, Outcome, Role
 from kvdir.directory.limits import EXPIRE_NODES_PER_COMMAND_MAX
 from kvdir.directory.metrics import DirectoryMetrics
+from kvdir.directory.shard_service import ShardGuard
+from kvdir.directory.shard_view import ShardView
 from kvdir.directory.table import Match, Table
 from kvdir.directory.watch import WatchService
 from kvdir.v1 import directory_pb2 as pb
@@ -61,7 +63,14 @@ _ROLE = {
     Role.CANDIDATE: pb.ROLE_CANDIDATE,
     Role.LEADER: pb.ROLE_LEADER,
 }
-_REJECT_REASON = {1: "unknown-node", 2: "stale-incarnation", 3: "bad-tier", 4: "bad-batch"}
+_REJECT_REASON = {
+    1: "unknown-node",
+    2: "stale-incarnation",
+    3: "bad-tier",
+    4: "bad-batch",
+    5: "stale_version",
+    6: "bad_shard_map",
+}
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -120,6 +129,8 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         self._caught_up = False
         self.watch: WatchService | None = None
         """Set by the daemon once the Watch feed is attached."""
+        self.shards = ShardGuard(ShardView(cfg.group, sharded=False), None)
+        """Replaced by the daemon on a sharded replica (shard_service.py)."""
 
     # --------------------------------------------------------------- helpers
 
@@ -242,6 +253,7 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
     ) -> pb.PublishResponse:
         self._authorize(request.node_id, context)
         cmd = validate.publish(request, self.limits)
+        self.shards.check(cmd.hashes, context)
         self.metrics.publish_batch.observe(len(cmd.hashes))
         res = self._write(cmd, context)
         assert isinstance(res, Published)
@@ -252,7 +264,9 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
     @_rpc
     def Remove(self, request: pb.RemoveRequest, context: grpc.ServicerContext) -> pb.RemoveResponse:
         self._authorize(request.node_id, context)
-        res = self._write(validate.remove(request, self.limits), context)
+        cmd = validate.remove(request, self.limits)
+        self.shards.check(cmd.hashes, context)
+        res = self._write(cmd, context)
         assert isinstance(res, Removed)
         return pb.RemoveResponse(removed=res.removed, applied_index=self._applied_index())
 
@@ -322,6 +336,8 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
     @_rpc
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         ns, chain, max_nodes = validate.lookup_chain(request, self.limits)
+        if self.shards.sharded:
+            self.shards.check(chain.items(), context)
         self.metrics.lookup_chain.observe(len(chain))
         if request.linearizable:
             self._barrier(context)
@@ -348,6 +364,9 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
                 f"{self.limits.lookup_batch_max}",
             )
         parsed = [validate.lookup_chain(lk, self.limits) for lk in request.lookups]
+        if self.shards.sharded:
+            for _, chain, _ in parsed:
+                self.shards.check(chain.items(), context)
         if request.linearizable:
             self._barrier(context)
         else:
@@ -402,6 +421,8 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
             log_entries=st.log_entries,
             last_compaction_s=st.last_compaction_s,
             cluster_id=st.cluster_id,
+            group_id=self.cfg.group,
+            shard_map_version=self.shards.view.version,
         )
         for m in self.consensus.members():
             rid, grpc_addr = self.label(m.address)
@@ -422,6 +443,12 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
 
         self.consensus.read(sizes)
         return resp
+
+    @_rpc
+    def GetShardMap(
+        self, request: pb.GetShardMapRequest, context: grpc.ServicerContext
+    ) -> pb.GetShardMapResponse:
+        return self.shards.get_map(request, context)
 
     def Watch(
         self, request: pb.WatchRequest, context: grpc.ServicerContext

@@ -3,6 +3,7 @@
     kvdir directory serve   run one directory replica (a daemon)
     kvdir ctl status|nodes|lookup   inspect a running directory
     kvdir ctl add-replica|remove-replica|backup   membership and backups (kvdir/ops.py)
+    kvdir ctl shards [split SHARD]   the shard map and each group (kvdir/ops_shards.py)
     kvdir directory restore|recover   a data dir from a backup, or from a lone survivor
     kvdir ctl wait-ready    block until replicas (or an agent) are ready; a systemd gate
     kvdir ctl check-hashes   the hashes a vLLM engine will publish, and a live check
@@ -27,7 +28,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvdir import ops, secflags, tools
+from kvdir import ops, ops_shards, secflags, tools
 from kvdir.core.client import DirectoryClient, DirectoryError, namespace
 from kvdir.core.config import ConfigError, read_toml
 from kvdir.core.gc_freeze import freeze_startup
@@ -63,6 +64,10 @@ def _serve_config(args: argparse.Namespace) -> DirectoryConfig:
         "cluster_id": args.cluster_id,
         "join": True if args.join else None,
         "durability": args.durability,
+        "group": args.group,
+        "shard_home": [a for a in args.shard_home.split(",") if a] if args.shard_home else None,
+        "shard_map_init": args.shard_map_init,
+        "shard_refresh_ms": args.shard_refresh_ms,
     }
     peers = [parse_peer(p) for p in args.peer]
     tune = _tuning(args.tune)
@@ -635,6 +640,19 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
         help="power-loss (default): fsync the Raft log before acknowledging; process-crash: "
         "faster, but a power loss of a majority can lose ~1 s of acknowledged writes",
     )
+    s.add_argument("--group", help='this replica\'s shard group (default "g0"; docs/sharding.md)')
+    s.add_argument(
+        "--shard-home",
+        help="comma-separated gRPC addresses of the home group g0 (absent: unsharded)",
+    )
+    s.add_argument(
+        "--shard-map-init",
+        metavar="FILE",
+        help="group g0: a JSON shard map committed as version 1 when none is committed yet",
+    )
+    s.add_argument(
+        "--shard-refresh-ms", type=int, help="how often to ask g0 for a newer map (1000)"
+    )
     s.add_argument("--log-format", choices=["json", "text"])
     s.add_argument("--log-level", default="INFO")
     secflags.add_daemon_flags(s, directory=True)
@@ -710,6 +728,7 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
             c.add_argument("--linearizable", action="store_true")
 
     ops.add_ctl_parsers(ctl, DEFAULT_ADDRS)
+    ops_shards.add_ctl_parsers(ctl, DEFAULT_ADDRS)
     w = ctl.add_parser(
         "wait-ready",
         help="wait until replicas report SERVING (or an agent is connected), bounded",
