@@ -262,6 +262,96 @@ class LocalCluster:
 
 
 @dataclass
+class ShardedCluster:
+    """`groups` Raft groups of `size` replicas each behind one shard map
+    (docs/sharding.md): group "g0" holds the map and starts with an even one
+    (`shards_per_group` shards per group); every replica follows it."""
+
+    base_dir: str
+    groups: int = 2
+    size: int = 3
+    shards_per_group: int = 1
+    refresh_ms: int = 1000
+    extra_args: list[str] = field(default_factory=list)
+    security: ClientSecurity = PLAIN
+    clusters: dict[str, LocalCluster] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        from kvdir.core.shard_map import Group, even_map
+
+        for i in range(self.groups):
+            gid = f"g{i}"
+            self.clusters[gid] = LocalCluster(
+                os.path.join(self.base_dir, gid), self.size, security=self.security
+            )
+        groups = [Group(gid, tuple(c.grpc_addresses)) for gid, c in self.clusters.items()]
+        self.initial_map = even_map(groups, self.shards_per_group)
+        self.map_path = os.path.join(self.base_dir, "shard-map.json")
+        with open(self.map_path, "w", encoding="utf-8") as f:
+            f.write(self.initial_map.to_json())
+        home = ",".join(self.home.grpc_addresses)
+        for gid, c in self.clusters.items():
+            c.extra_args = [
+                *self.extra_args,
+                "--group",
+                gid,
+                "--shard-home",
+                home,
+                "--shard-refresh-ms",
+                str(self.refresh_ms),
+            ]
+            if gid == "g0":
+                c.extra_args += ["--shard-map-init", self.map_path]
+
+    @property
+    def home(self) -> LocalCluster:
+        return self.clusters["g0"]
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        """Every replica launched, a leader in every group, the first map everywhere."""
+        for c in self.clusters.values():
+            for r in c.replicas:
+                if r.member:
+                    c.launch(r)
+        deadline = time.monotonic() + timeout_s
+        for c in self.clusters.values():
+            c.wait_leader(max(1.0, deadline - time.monotonic()))
+        self.wait_map_version(1, max(1.0, deadline - time.monotonic()))
+
+    def map_versions(self) -> dict[str, int]:
+        """Each live replica's shard map version ("g1/r2" -> version), as it reports it."""
+        return {
+            f"{gid}/{rid}": st.shard_map_version
+            for gid, c in self.clusters.items()
+            for rid, st in c.statuses().items()
+        }
+
+    def wait_map_version(self, version: int, timeout_s: float = 30.0) -> None:
+        """Until every live replica of every group routes by `version` or newer."""
+        last: list[dict[str, int]] = [{}]
+
+        def everywhere() -> bool:
+            last[0] = self.map_versions()
+            alive = sum(1 for c in self.clusters.values() for r in c.replicas if r.alive)
+            return len(last[0]) == alive and all(v >= version for v in last[0].values())
+
+        try:
+            wait_for(everywhere, timeout_s, f"shard map v{version} on every replica", 0.05)
+        except ClusterError as e:
+            raise ClusterError(f"{e} (versions: {last[0]})") from None
+
+    def stop(self) -> None:
+        for c in self.clusters.values():
+            c.stop()
+
+    def __enter__(self) -> ShardedCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass
 class LocalAgent:
     """One `kvdir agent serve` process on 127.0.0.1 with its own pool file."""
 
