@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 
 from kvdir.agent.engine.client import EngineError, Refused
+from kvdir.agent.engine.vllm.config import ConnectorConfig
+from kvdir.agent.engine.vllm.seam import AgentSeam
 from kvdir.agent.pool import STORED
 from kvdir.core.client import DirectoryClient
 from kvdir.core.wire import namespace_key
@@ -102,3 +104,26 @@ def test_a_slot_reused_after_the_lookup_ends_the_valid_prefix(
     assert (r.valid_blocks, r.invalidated) == (j, BLOCKS - j)
     assert [slot_bytes(trio.c, s) for s in dst[:j]] == payload[:j]
     trio.c.free(NS, dst)
+
+
+@pytest.mark.timeout(120)
+def test_the_connector_seam_carries_the_ticket_and_a_refused_one_is_a_miss_not_an_outage(
+    agent_cluster: LocalCluster, directory: DirectoryClient, trio: Trio
+) -> None:
+    chain = chain_of(903, BLOCKS)
+    _, payload = store_chain(trio.a, chain, seed=903)
+    wait_prefix(agent_cluster, directory, chain, "a", BLOCKS, readers=[trio.c])
+    seam = AgentSeam(ConnectorConfig(agent_socket=trio.agents["c"].engine_socket), NS, SLOT_BYTES)
+    try:
+        found = seam.lookup(chain)
+        assert found.ticket and found.peer_blocks == BLOCKS
+        slots = seam.reserve(BLOCKS)
+        bad = found.ticket[:-1] + bytes([found.ticket[-1] ^ 1])
+        assert seam.fetch(chain, 0, slots, bad).valid_blocks == 0
+        assert seam.available()  # the agent is fine: no agent_retry_s back-off
+        r = seam.fetch(chain, 0, slots, found.ticket)
+        assert r.valid_blocks == BLOCKS
+        assert [bytes(seam.pool.slot_view(s)) for s in slots] == payload
+        seam.release(slots)
+    finally:
+        seam.close()
