@@ -40,7 +40,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from bench.vllm import gpu_two
@@ -56,16 +55,13 @@ from bench.vllm.gpu_calls import (
 )
 from bench.vllm.gpu_nodes import BLOCK_TOKENS, SHAPES, GpuNodes, gpu_nodes
 from bench.vllm.gpu_pair import drop_pools
+from bench.vllm.gpu_report import write_results
 from kvdir import report
 from kvdir.local import ClusterError, wait_agent_sees
 
 DEFAULT_TOKENS = (1024, 4096, 8192)
 CHECK_TOKENS = 8192
 FALLBACK_S_MAX = 30.0
-IPC_VS_FLOOR_MAX = 1.15
-LOAD_VS_COPY_MAX = 2.0
-HOST_LOAD_VS_BARE_MIN = 0.7
-SAVE_OVERHEAD_MAX = 0.03
 
 
 class Bench(EngineCalls):
@@ -291,66 +287,6 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return s
 
 
-def _ms(x: float) -> str:
-    return f"{1000 * x:.1f}"
-
-
-def targets_8b(summary: list[dict[str, Any]]) -> list[report.Target]:
-    longest = max(summary, key=lambda s: s["tokens"]) if summary else None
-    return [
-        report.at_most("ipc_vs_floor", f"pulled TTFT over CUDA IPC / local hit at "
-                       f"{longest['tokens'] if longest else '-'} tokens",
-                       longest["ipc_vs_floor"] if longest else None, IPC_VS_FLOOR_MAX, "x"),
-        report.at_most("load_vs_copy", "IPC load / bare device copy (worst)",
-                       max((s["ipc_load_vs_copy"] for s in summary), default=None),
-                       LOAD_VS_COPY_MAX, "x"),
-        report.at_least("host_vs_bare", "host-path load rate / bare fetch rate (worst)",
-                        min((s["host_load_vs_bare"] for s in summary), default=None),
-                        HOST_LOAD_VS_BARE_MIN, "x"),
-        report.at_most("save_overhead", "prefill added by saving (worst)",
-                       max((s["save_overhead"] for s in summary), default=None),
-                       SAVE_OVERHEAD_MAX, ""),
-    ]  # fmt: skip
-
-
-def markdown_8b(shape: str, summary: list[dict[str, Any]]) -> list[str]:
-    ms = _ms
-    rows = [
-        [s["tokens"], ms(s["recompute_s"]), ms(s["ipc_s"]), ms(s["host_s"]), ms(s["floor_s"]),
-         f"{s['ipc_vs_floor']:.2f}", ms(s["ipc_load_s"]), ms(s["bare_copy_s"]),
-         ms(s["host_load_s"]), ms(s["bare_fetch_s"]), ms(s["plain_prefill_s"]),
-         ms(s["saving_prefill_s"]), f"{100 * s['save_overhead']:+.1f}%", s["cached_min"],
-         "yes" if s["correct"] else "NO"]
-        for s in summary
-    ]  # fmt: skip
-    head_cells = [
-        "tokens", "recompute ms", "pull CUDA IPC ms", "pull host path ms", "local hit ms",
-        "IPC / local hit", "IPC load ms", "bare D2D copy ms", "host load ms",
-        "bare agent fetch ms", "plain prefill ms", "saving prefill ms", "save overhead",
-        "cached tokens (min)", "same first token",
-    ]  # fmt: skip
-    return [f"Model: {shape}.", "", "## Turn-2 TTFT (median of repeats)", "",
-            report.table(rows, head_cells), ""]  # fmt: skip
-
-
-def markdown(
-    head: dict[str, Any],
-    sections: list[str],
-    checks: list[dict[str, Any]],
-    targets: list[report.Target],
-    note: str,
-) -> str:
-    check_rows = [[c["check"], "ok" if c["ok"] else "FAILED",
-                   {k: v for k, v in c.items() if k not in ("check", "ok", "trace")}]
-                  for c in checks]  # fmt: skip
-    return "\n".join([
-        "# kvdir bench vllm --device cuda", "", report.header_markdown(head), "",
-        note, "", *sections, "## Checks", "",
-        report.table(check_rows, ["check", "result", "seen"]), "", "## Targets", "",
-        report.targets_table(targets), "",
-    ])  # fmt: skip
-
-
 def run_8b(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     """The four-engine part (8B shape): checks, then turn-2 TTFT per prefix length."""
     shape = SHAPES["8b"]
@@ -414,39 +350,17 @@ def run(args: argparse.Namespace) -> int:
             except Exception as e:  # the two-engine parts still run
                 four["error"] = f"{type(e).__name__}: {e}"
                 print(f"==> 8b part failed: {four['error']}", flush=True)
+            write_results(args, parts, started, head, four, None, final=False)
         if "70b" in parts or "peer" in parts:
             two = gpu_two.run_two(args, tmp, tuple(p for p in parts if p != "8b"))
-    summary = four["summary"]
-    targets = targets_8b(summary) if "8b" in parts else []
-    head["wall_s"] = (dt.datetime.now(dt.UTC) - started).total_seconds()
-    sections = markdown_8b(four["shape"], summary) if "8b" in parts else []
-    if "error" in four:
-        sections += [f"8B part failed: `{four['error']}`", ""]
-    sections += gpu_two.markdown(two) if two is not None else []
-    sections += [_timing(parts, four, two), ""]
-    checks = four["checks"] + (two["checks"] if two is not None else [])
-    md = markdown(head, sections, checks, targets, args.note)
-    data = {**head, "parts": list(parts), "shape": four.get("shape"), "summary": summary,
-            "raw": four["raw"], "checks": four["checks"],
-            "targets": [t.as_dict() for t in targets], "two_engine": two}  # fmt: skip
-    md_path, js_path = report.write(Path(args.out), f"vllm-gpu-{started:%Y-%m-%d}", md, data)
-    print(md)
-    print(f"wrote {md_path} and {js_path}")
+    write_results(args, parts, started, head, four, two, final=True)
     failed = [c["check"] for c in four["checks"] if not c["ok"]]
     failed += ["error:8b"] if "error" in four else []
     failed += gpu_two.failed(two) if two is not None else []
-    wrong = not all(s["correct"] for s in summary)
+    wrong = not all(s["correct"] for s in four["summary"])
     if failed:
         print(f"kvdir bench vllm --device cuda: failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed or wrong else 0
-
-
-def _timing(parts: tuple[str, ...], four: dict[str, Any], two: dict[str, Any] | None) -> str:
-    got = {"8b": four.get("seconds")} if "8b" in parts else {}
-    got.update(two["part_s"] if two is not None else {})
-    return "Seconds per part (engine starts included): " + ", ".join(
-        f"{k} {v:.0f}" for k, v in got.items() if v is not None
-    )
 
 
 def main(argv: list[str] | None = None) -> int:

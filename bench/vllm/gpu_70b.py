@@ -50,17 +50,20 @@ class PairBench(EngineCalls):
     def pool_holds(self, name: str, tokens: list[int]) -> None:
         """Wait until agent `name`'s own pool holds every full block of `tokens` (its
         engine's saves are announced once their copies are done)."""
-        from kvdir.agent.engine.client import EngineClient
+        from kvdir.agent.engine.client import EngineClient, EngineError
 
         chain, ns = keys(tokens), self.n.shape.ns()
         blocks = len(tokens) // BLOCK_TOKENS
         client = EngineClient(self.n.socket(name), timeout_s=5.0)
+
+        def held() -> bool:
+            try:
+                return client.lookup(ns, chain).local_blocks >= blocks
+            except EngineError:  # a busy agent's slow answer: ask again
+                return False
+
         try:
-            wait_for(
-                lambda: client.lookup(ns, chain).local_blocks >= blocks,
-                HOLD_TIMEOUT_S,
-                f"agent {name}'s pool to hold {blocks} blocks",
-            )
+            wait_for(held, HOLD_TIMEOUT_S, f"agent {name}'s pool to hold {blocks} blocks")
         finally:
             client.close()
 

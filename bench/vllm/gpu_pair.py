@@ -121,7 +121,7 @@ def pair_nodes(
 ) -> Iterator[PairNodes]:  # fmt: skip
     """A directory and agents `agents` (their engines are started by the caller). A
     fresh folder under `work`: a kept work dir's earlier Raft journals stay out of it."""
-    base = tempfile.mkdtemp(prefix=f"pair-{shape.name}-", dir=work)
+    base = tempfile.mkdtemp(prefix="pair-", dir=work)  # unix socket paths stay short
     model_dir = shape.write(os.path.join(base, "model"), max_len)
     cluster = LocalCluster(os.path.join(base, "directory"), size=3)
     started: dict[str, LocalAgent] = {}

@@ -344,3 +344,20 @@ def test_the_gpu_driver_answers_a_reset_over_its_line_protocol(tmp_path: Path) -
     finally:
         e.stop()
     assert e.proc is not None and e.proc.returncode is not None
+
+
+def test_a_failed_8b_part_is_reported_and_the_others_still_run(
+    fakes: Fakes, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", argparse.Namespace(__version__="0.24.0"))
+
+    def no_engines(*_: Any) -> dict[str, Any]:
+        raise ClusterError("engine n did not start")
+
+    monkeypatch.setattr(gpu, "run_8b", no_engines)
+    out_dir = tmp_path / "results"
+    argv = ["--only", "8b", "peer", "--repeats", "1", "--out", str(out_dir), "--work-dir"]
+    assert gpu.main([*argv, str(tmp_path / "work")]) == 1
+    md = next(out_dir.glob("vllm-gpu-*.md")).read_text()
+    assert "8B part failed: `ClusterError: engine n did not start`" in md
+    assert "## A peer's connector" in md and "Partial" not in md
