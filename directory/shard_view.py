@@ -13,6 +13,7 @@ ranges, merged where adjacent (one range for an even map).
 from __future__ import annotations
 
 import bisect
+import functools
 import hashlib
 import threading
 from collections.abc import Sequence
@@ -36,15 +37,26 @@ class WrongShard(Exception):
         self.version = version
 
 
+_key8 = functools.partial(hashlib.blake2b, digest_size=8)
+"""A hash's routing key as 8 big-endian bytes (`shard_key` before its int)."""
+_END = b"\xff" * 9
+"""Above every 8-byte key: 2**64 as a bound (bytes compare as unsigned big-endian)."""
+
+
+def _bound(key: int) -> bytes:
+    return _END if key >= KEY_SPACE else key.to_bytes(8, "big")
+
+
 @dataclass(frozen=True, slots=True)
 class Ownership:
-    """One map seen from one group: the key ranges it owns, merged."""
+    """One map seen from one group: the key ranges it owns, merged, as
+    8-byte bounds (comparing digests as bytes skips an int per hash)."""
 
     shard_map: ShardMap
     group_id: str
     all_keys: bool
-    los: tuple[int, ...]
-    his: tuple[int, ...]
+    los: tuple[bytes, ...]
+    his: tuple[bytes, ...]
 
     @classmethod
     def of(cls, m: ShardMap, group_id: str) -> Ownership:
@@ -57,27 +69,25 @@ class Ownership:
             else:
                 ranges.append([s.lo, s.hi])
         whole = ranges == [[0, KEY_SPACE]]
-        return cls(m, group_id, whole, tuple(r[0] for r in ranges), tuple(r[1] for r in ranges))
+        los = tuple(_bound(r[0]) for r in ranges)
+        return cls(m, group_id, whole, los, tuple(_bound(r[1]) for r in ranges))
 
     def first_foreign(self, hashes: Sequence[bytes]) -> int:
         """Index of the first hash whose key this group does not own, or -1."""
         if self.all_keys:
             return -1
-        blake2b = hashlib.blake2b
-        from_bytes = int.from_bytes
         if len(self.los) == 1:  # the usual case: one range, two compares per hash
             lo, hi = self.los[0], self.his[0]
-            for i, h in enumerate(hashes):
-                if not lo <= from_bytes(blake2b(h, digest_size=8).digest(), "big") < hi:
-                    return i
+            if all(lo <= _key8(h).digest() < hi for h in hashes):
+                return -1
+        elif all(self._owns(_key8(h).digest()) for h in hashes):
             return -1
-        los, his = self.los, self.his
-        for i, h in enumerate(hashes):
-            key = from_bytes(blake2b(h, digest_size=8).digest(), "big")
-            j = bisect.bisect_right(los, key) - 1
-            if j < 0 or key >= his[j]:
-                return i
-        return -1
+        # A refusal: find which one (the slow path costs only refused requests).
+        return next(i for i, h in enumerate(hashes) if not self._owns(_key8(h).digest()))
+
+    def _owns(self, key: bytes) -> bool:
+        j = bisect.bisect_right(self.los, key) - 1
+        return j >= 0 and key < self.his[j]
 
 
 def handover_error(old: ShardMap | None, new: ShardMap) -> str | None:

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from kvdir.core.shard_map import KEY_SPACE, Group, ShardMap, even_map
+from kvdir.core.shard_map import KEY_SPACE, Group, Shard, ShardMap, even_map
 from kvdir.directory import snapshot
 from kvdir.directory.commands import Reject, Rejected, SetShardMap, ShardMapSet
 from kvdir.directory.shard_view import (
@@ -44,14 +44,37 @@ def test_ownership_agrees_with_the_map(shards_per_group: int) -> None:
     for gid in ("g0", "g1"):
         own = Ownership.of(m, gid)
         assert not own.all_keys
+        mine = owned_by(m, gid)
+        assert own.first_foreign(mine) == -1
         for i, h in enumerate(HASHES):
             assert (own.first_foreign([h]) < 0) == (m.shard_of(h).group_id == gid), i
+            assert own.first_foreign([*mine[:3], h]) == (-1 if h in mine else 3)
+
+
+def test_keys_at_the_edges_of_the_space() -> None:
+    """The last shard reaches 2**64: a key of all ones is inside it."""
+    edge = [Group("g0", ("a:1",)), Group("g1", ("b:1",))]
+    m = ShardMap(
+        1,
+        tuple(edge),
+        (
+            Shard(0, 0, 1, "g1"),
+            Shard(1, 1, KEY_SPACE - 1, "g0"),
+            Shard(2, KEY_SPACE - 1, KEY_SPACE, "g1"),
+        ),
+    )
+    g0, g1 = Ownership.of(m, "g0"), Ownership.of(m, "g1")
+    assert len(g1.los) == 2
+    for key in (0, 1, KEY_SPACE - 2, KEY_SPACE - 1):
+        k = key.to_bytes(8, "big")
+        assert g0._owns(k) == (m.shard_of_key(key).group_id == "g0"), key
+        assert g1._owns(k) == (m.shard_of_key(key).group_id == "g1"), key
 
 
 def test_adjacent_shards_merge_and_a_whole_space_owner_pays_nothing() -> None:
     m = even_map(GROUPS[:1], 4)
     own = Ownership.of(m, "g0")
-    assert own.all_keys and own.los == (0,) and own.his == (KEY_SPACE,)
+    assert own.all_keys and len(own.los) == 1
     two = even_map(GROUPS, 1).with_split(0, 7)
     assert len(Ownership.of(two, "g0").los) == 1  # two halves of one range: merged
 
