@@ -212,7 +212,9 @@ class ShardGuard:
         try:
             view.check(hashes)
         except NoShardMap as e:
-            self._refresh_for(wanted or 1, context)
+            # Only a caller that knows a map waits for one (bounded); the rest are told
+            # at once, so a replica starting under load does not hold its workers.
+            self._refresh_for(wanted, context)
             if view.shard_map is None:
                 self._no_map(context, str(e))
         except WrongShard as e:
