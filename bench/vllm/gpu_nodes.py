@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from kvdir.agent.daemon import AgentDaemon
 from kvdir.core.client import namespace
 from kvdir.local import LOOPBACK, LocalAgent, LocalCluster, free_ports
 from kvdir.v1 import directory_pb2 as pb
-from tests.vllm.engines import REPO, Engine, connector_config
+from tests.vllm.engines import REPO, Engine, EngineError, connector_config
 
 BLOCK_TOKENS = 16
 """FlashAttention's block size (vLLM's CUDA default)."""
@@ -135,9 +136,39 @@ class GpuEngine(Engine):
     def command(self) -> list[str]:
         return [sys.executable, "-m", "bench.vllm.gpu_driver"]
 
+    def wait_started(self) -> None:
+        """wait_ready, and if the engine died starting, the exception that ended it."""
+        try:
+            self.wait_ready()
+        except EngineError as e:
+            raise EngineError(f"{e}: {last_error(self.log_path)}") from e
+
     def reset_prefix_cache(self) -> bool:
         """Drop vLLM's GPU prefix cache; False while a request still holds blocks."""
         return bool(self.call({"op": "reset_prefix_cache"})["reset"])
+
+
+ERROR_LINE = re.compile(
+    rb"^(?:\([\w.]+ pid=\d+\) )?((?:[\w.]+\.)?\w*(?:Error|Exception)\b[^\n]*)$", re.MULTILINE
+)
+"""A traceback's last line; vLLM prefixes its engine core's lines "(EngineCore_DP0 pid=N)"."""
+LOG_TAIL_BYTES = 256 * 1024
+ERRORS_SHOWN = 3
+
+
+def last_error(log_path: str) -> str:
+    """The last few "SomeError: text" lines of an engine's log: the front end's own
+    ("Engine core initialization failed. See root cause above.") follows the cause."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(max(0, os.path.getsize(log_path) - LOG_TAIL_BYTES))
+            tail = f.read()
+    except OSError as e:
+        return f"(no log: {e})"
+    found = list(
+        dict.fromkeys(m.decode(errors="replace").strip() for m in ERROR_LINE.findall(tail))
+    )
+    return " | ".join(found[-ERRORS_SHOWN:]) if found else "(no exception in its log)"
 
 
 @dataclass
@@ -240,7 +271,7 @@ def gpu_nodes(
             e = gpu_engine(name, base, model_dir, shape, max_len, ktc, memory_share)
             engines[name] = e
             e.launch()
-            e.wait_ready()
+            e.wait_started()
             print(f"==> engine {name} ready", flush=True)
         yield GpuNodes(shape, cluster, agents, daemon_b, engines)
     finally:

@@ -97,7 +97,7 @@ class PairNodes:
         e.start_timeout_s = PAIR_START_TIMEOUT_S
         self.engines[name] = e  # stopped on the way out even if it never answers
         e.launch()
-        e.wait_ready()
+        e.wait_started()
         print(f"==> engine {name} ready ({self.shape.name})", flush=True)
         return e
 

@@ -25,7 +25,7 @@ import pytest
 
 from bench.vllm import gpu, gpu_70b, gpu_args, gpu_two
 from bench.vllm.gpu_calls import EngineCalls, parse_loads
-from bench.vllm.gpu_nodes import BLOCK_TOKENS, SHAPES, gpu_engine
+from bench.vllm.gpu_nodes import BLOCK_TOKENS, SHAPES, gpu_engine, last_error
 from bench.vllm.gpu_pair import offload_config
 from kvdir.local import ClusterError
 from tests.vllm.engines import REPO, EngineError
@@ -361,3 +361,22 @@ def test_a_failed_8b_part_is_reported_and_the_others_still_run(
     md = next(out_dir.glob("vllm-gpu-*.md")).read_text()
     assert "8B part failed: `ClusterError: engine n did not start`" in md
     assert "## A peer's connector" in md and "Partial" not in md
+
+
+def test_an_engine_that_died_starting_is_reported_with_its_root_cause(tmp_path: Path) -> None:
+    log = tmp_path / "o-engine.log"
+    log.write_text(
+        "INFO 12-04 starting\n"
+        "(EngineCore_DP0 pid=4242) Traceback (most recent call last):\n"
+        '(EngineCore_DP0 pid=4242)   File "core.py", line 1, in <module>\n'
+        "(EngineCore_DP0 pid=4242) ValueError: Free memory on device cuda:0 (40.1/139.8 GiB)"
+        " on startup is less than desired GPU memory utilization (0.38, 53.1 GiB).\n"
+        "ERROR 12-04 01:02:03 [core.py:1] EngineCore failed to start.\n"
+        "RuntimeError: Engine core initialization failed. See root cause above.\n"
+    )
+    got = last_error(str(log))
+    assert got.startswith("ValueError: Free memory on device cuda:0"), got
+    assert got.endswith("| RuntimeError: Engine core initialization failed. See root cause above.")
+    assert last_error(str(tmp_path / "none.log")).startswith("(no log:")
+    log.write_text("INFO all fine\n")
+    assert last_error(str(log)) == "(no exception in its log)"
