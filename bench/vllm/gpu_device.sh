@@ -8,6 +8,7 @@
 # 0.24 seeds its block hashes with it: engines must agree).
 #
 #   bash bench/vllm/gpu_device.sh python3 -m bench.vllm.gpu --out "$OUT" --work-dir /dev/shm/kvw
+#   (add --only 70b peer for the two-engine parts alone: ~4 min instead of ~8)
 set -euo pipefail
 site=/tmp/site
 if [[ ! -e $site/vllm/__init__.py ]]; then

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.vllm import gpu_two
+from bench.vllm.gpu_pair import PEER_CONNECTOR
 from kvdir import report
 
 IPC_VS_FLOOR_MAX = 1.15
@@ -85,6 +86,30 @@ def _timing(parts: tuple[str, ...], four: dict[str, Any], two: dict[str, Any] | 
     )
 
 
+def targets_two(out: dict[str, Any]) -> list[report.Target]:
+    """The CUDA IPC targets, held against the 70B shape too; the peer's
+    reload next to kvdir's as information (no goal: different tiers)."""
+    s70 = out.get("summary_70b")
+    got: list[report.Target] = []
+    if s70 is not None:
+        got += [
+            report.at_most("ipc_vs_floor_70b", "70B shape: pulled TTFT over CUDA IPC / local "
+                           "hit at 8192 tokens", s70["ipc_vs_floor"], IPC_VS_FLOOR_MAX, "x"),
+            report.at_most("load_vs_copy_70b", "70B shape: IPC load / bare device copy",
+                           s70["ipc_load_vs_copy"], LOAD_VS_COPY_MAX, "x"),
+        ]  # fmt: skip
+    peers = out["peer_summary"]
+    if "a" in peers and "o" in peers:
+        ratio = peers["a"]["reload_s"] / peers["o"]["reload_s"]
+        got.append(
+            report.Target(
+                "reload_vs_peer", f"kvdir reload TTFT / {PEER_CONNECTOR}'s (70B shape)",
+                "info", ratio, "x", None,
+            )
+        )  # fmt: skip
+    return got
+
+
 def write_results(
     args: argparse.Namespace, parts: tuple[str, ...], started: dt.datetime,
     head: dict[str, Any], four: dict[str, Any], two: dict[str, Any] | None, final: bool,
@@ -92,6 +117,7 @@ def write_results(
     """Write (or rewrite) the run's results; `final`: every selected part has run."""
     summary = four["summary"]
     targets = targets_8b(summary) if "8b" in parts else []
+    targets += targets_two(two) if two is not None else []
     head = {**head, "wall_s": (dt.datetime.now(dt.UTC) - started).total_seconds()}
     sections = markdown_8b(four["shape"], summary) if "8b" in parts else []
     if "error" in four:

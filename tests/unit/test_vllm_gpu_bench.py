@@ -307,6 +307,8 @@ def test_run_writes_one_result_with_the_selected_parts(
     assert "## 70B shape (20 layers)" in md and "## A peer's connector" in md
     assert "## Turn-2 TTFT (median of repeats)" not in md  # the 8b part did not run
     assert "Seconds per part" in md
+    assert "| 70B shape: pulled TTFT over CUDA IPC / local hit at 8192 tokens | <= 1.15 x |" in md
+    assert "| kvdir reload TTFT / OffloadingConnector's (70B shape) | info | 1.00 x | info |" in md
     data = json.loads(md_path.with_suffix(".json").read_text())
     assert data["parts"] == ["70b", "peer"] and data["summary"] == []
     assert data["two_engine"]["summary_70b"]["correct"]
