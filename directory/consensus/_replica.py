@@ -146,6 +146,7 @@ class Replica(DurableSyncObj):
         hooks: Hooks = PRODUCTION,
     ) -> None:
         self.hooks = hooks
+        self.read_before_campaigning = hooks.auto_tick  # the simulator delivers messages itself
         self.kvdir_cluster_id = cluster_id  # read by FencedTransport
         os.makedirs(data_dir, exist_ok=True)
         self.lock = threading.Lock()

@@ -40,6 +40,7 @@ import threading
 from typing import Any
 
 from pysyncobj import SyncObj
+from pysyncobj.monotonic import monotonic  # pysyncobj's clock: its deadlines are read on it
 
 from kvdir.directory.consensus.acks import AckGate, Reply
 from kvdir.directory.consensus.pysyncobj_journal import (
@@ -107,13 +108,35 @@ class DurableSyncObj(SyncObj):  # type: ignore[misc]
         self._kvdir_acks = AckGate(journal, self._send_held_answer)
         return path
 
+    read_before_campaigning = False
+    """Set by a replica whose sockets are real (see `_read_before_campaigning`)."""
+
     def _onTick(self, timeToWait: float = 0.0) -> None:  # noqa: N802, N803 (pysyncobj's names)
         self._kvdir_acks.release()  # what the last poll appended, then the answers it earned
+        if self.read_before_campaigning:
+            self._read_before_campaigning()
         super()._onTick(timeToWait)
         if not self._membership_replayed and not self._SyncObj__needLoadDumpFile:
             self._membership_replayed = True
             applied = int(self._SyncObj__raftLastApplied)
             self._reapply_membership([e for e in self.kvdir_journal.log.entries if e[1] > applied])
+
+    def _read_before_campaigning(self) -> None:
+        """A follower whose election deadline has passed reads its sockets before the tick.
+
+        pysyncobj checks the deadline at the top of a tick and reads the sockets
+        at its end. A follower whose Raft thread was held up past its election
+        timeout after its last read (the fdatasync in `release` waiting behind
+        another file's writeback, the GIL) campaigned although the leader's
+        heartbeats sat unread in its socket, deposing a live leader. Reading
+        them first resets the deadline when the leader is alive; a follower that
+        really heard nothing still campaigns. What this read appends is synced
+        and answered at the next tick, as after any read.
+        """
+        if self._SyncObj__raftState == _LEADER or not self._SyncObj__transport.ready:
+            return
+        if self._SyncObj__raftElectionDeadline < monotonic():
+            self._poller.poll(0)
 
     def _checkCommandsToApply(self) -> None:  # noqa: N802
         super()._checkCommandsToApply()
