@@ -70,6 +70,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run only the load (--entries) and this phase; no table-memory run "
         "(compaction: the publish load on, terms and Raft tick stalls across it)",
     )
+    p.add_argument(
+        "--shards",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="the sharded directory instead: N groups x 3 replicas for each N, in one run "
+        "(publish, CPU and bytes per entry, mirror and RPC lookups, leader kills; "
+        "bench/directory/shards.py)",
+    )
     add_quick_and_out_dir(p, "directory")
     p.add_argument(
         "--dir",
@@ -97,6 +107,7 @@ class Config:
     out_dir: Path
     data_dir: str | None
     seed: int
+    shards: tuple[int, ...] = ()
 
     @property
     def tuning(self) -> RaftTuning:
@@ -141,6 +152,7 @@ def resolve(args: argparse.Namespace) -> Config:
         out_dir=out_dir,
         data_dir=args.dir,
         seed=args.seed,
+        shards=tuple(args.shards or ()),
     )
     checks = [
         (cfg.entries >= 1000, "--entries must be >= 1000"),
@@ -151,6 +163,7 @@ def resolve(args: argparse.Namespace) -> Config:
         (1 <= cfg.batch_chains <= 256, "--batch-chains must be 1..256"),
         (1 <= cfg.publish_batch <= 8192, "--publish-batch must be 1..8192"),
         (1 <= cfg.publish_inflight <= 256, "--publish-inflight must be 1..256"),
+        (all(1 <= n <= 16 for n in cfg.shards), "--shards sizes must be 1..16"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -23,6 +23,7 @@ from bench.directory import (
     memory,
     mirror,
     publish,
+    shards,
     verify,
 )
 from bench.directory import report as directory_report
@@ -133,6 +134,8 @@ def config_record(cfg: Config) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     cfg = resolve(args)
+    if cfg.shards:
+        return shards.run(cfg)
     started = dt.datetime.now(dt.UTC)
     t0 = time.monotonic()
     results: dict[str, Any] = {}

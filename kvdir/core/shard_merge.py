@@ -22,8 +22,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from kvdir.v1 import directory_pb2 as pb
+
+Positions = Sequence[int] | npt.NDArray[np.int64]
+"""The chain positions one group owns, ascending."""
 
 _COLUMNS: tuple[tuple[str, str], ...] = (
     ("addresses", "<u8"),
@@ -49,7 +53,7 @@ def subsequence(chain: Sequence[bytes], positions: Sequence[int]) -> list[bytes]
 
 def holder_prefixes(
     chain_blocks: int,
-    positions: Mapping[str, Sequence[int]],
+    positions: Mapping[str, Positions],
     answers: Mapping[str, pb.LookupResponse | None],
 ) -> dict[str, int]:
     """Each holder's prefix of the whole chain (holders with 0 left out).
@@ -77,7 +81,7 @@ def holder_prefixes(
 
 def merge_lookup(
     chain_blocks: int,
-    positions: Mapping[str, Sequence[int]],
+    positions: Mapping[str, Positions],
     answers: Mapping[str, pb.LookupResponse | None],
     max_nodes: int,
     omit_records: bool = False,

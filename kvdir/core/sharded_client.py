@@ -48,7 +48,8 @@ from kvdir.core.client import (
 )
 from kvdir.core.security import PLAIN, ClientSecurity
 from kvdir.core.shard_map import Group, ShardMap, ShardMapError, even_map
-from kvdir.core.shard_merge import merge_lookup, subsequence
+from kvdir.core.shard_merge import Positions, merge_lookup
+from kvdir.core.shard_route import Router
 from kvdir.directory.limits import RequestLimits
 from kvdir.v1 import directory_pb2 as pb
 
@@ -139,6 +140,7 @@ class ShardedDirectoryClient:
         self.map_refreshes = 0
         self.reroutes = 0
         self._known: ShardMap | None = None
+        self._router: Router | None = None
         if shard_map is not None:
             self._install(shard_map)
         else:
@@ -219,6 +221,13 @@ class ShardedDirectoryClient:
             raise DirectoryError(
                 grpc.StatusCode.INTERNAL, f"the home group sent a bad map: {e}"
             ) from e
+
+    def _router_of(self, m: ShardMap) -> Router:
+        """The lookup router of map `m` (remembers the groups of hashes seen)."""
+        r = self._router
+        if r is None or r.map is not m:
+            r = self._router = Router(m)
+        return r
 
     def _metadata(self) -> list[tuple[str, str]]:
         return [(shard_wire.SHARD_MAP_VERSION_KEY, str(self._map.version))]
@@ -540,7 +549,8 @@ class ShardedDirectoryClient:
             return self.home.lookup_batch(lookups, linearizable)  # the home says what is wrong
         for _ in range(REROUTE_ATTEMPTS_MAX):
             m, md = self._map, self._metadata()
-            positions = [m.positions_by_group(c) for c in chains]
+            router = self._router_of(m)
+            positions = [router.positions(c) for c in chains]
             got = self._lookup_groups(lookups, chains, positions, linearizable, md)
             if got is None:
                 self.reroutes += 1
@@ -573,7 +583,7 @@ class ShardedDirectoryClient:
         self,
         lookups: Sequence[pb.LookupRequest],
         chains: Sequence[list[bytes]],
-        positions: Sequence[dict[str, list[int]]],
+        positions: Sequence[Mapping[str, Positions]],
         linearizable: bool,
         md: list[tuple[str, str]],
     ) -> dict[str, dict[int, pb.LookupResponse] | None] | None:
@@ -584,7 +594,7 @@ class ShardedDirectoryClient:
             for g, idx in pos.items():
                 sub = lookup_request(
                     req.namespace,
-                    chains[i] if len(pos) == 1 else subsequence(chains[i], idx),
+                    chains[i] if len(pos) == 1 else [chains[i][j] for j in idx],
                     req.max_nodes,
                     req.exclude_node,
                     req.omit_records,
