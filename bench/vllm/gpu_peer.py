@@ -109,8 +109,10 @@ def markdown(shape: str, summary: dict[str, dict[str, Any]], errors: dict[str, s
         f"engines (its CPU tier is one engine's: {PEER_CPU_BYTES >> 30} GiB here); "
         "kvdir's pool on a CUDA engine is GPU tier (a host-tier pool behind a CUDA engine "
         "is refused), so its row is a device copy; kvdir's host path is the 8B table's "
-        "pull over TCP. LMCache is not measured: its compiled ops do not load on torch "
-        "2.11 (../shared/notes/vllm-gpu.md).",
+        "pull over TCP. vLLM 0.24 runs Llama on its V2 model runner, which hands a "
+        "connector per-layer caches (not the cross-layer blocks the OffloadingConnector "
+        "prefers), so its loads copy layer by layer. LMCache is not measured: its compiled "
+        "ops do not load on torch 2.11 (../shared/notes/vllm-gpu.md).",
         "",
     ]
     head = ["connector", "recompute ms", "reload from its tier ms", "local hit ms",
