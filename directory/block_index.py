@@ -87,5 +87,9 @@ class BlockIndex:
             out.extend(d.values())
         return out
 
+    def part(self, i: int) -> dict[bytes, int]:
+        """Shard `i` itself (a chunked scan: `Table` drops a moved shard a part at a time)."""
+        return self._shards[i]
+
     def items(self) -> Iterator[tuple[bytes, int]]:
         return chain.from_iterable(d.items() for d in self._shards)

@@ -25,10 +25,15 @@ from kvdir.core.shard_map import ShardMap, ShardMapError
 from kvdir.core.wire import HASH_BYTES_MAX
 from kvdir.directory.commands import (
     Barrier,
+    BeginImport,
     ClearNode,
     Command,
+    DropShard,
     ExpireNodes,
+    FreezeShard,
     Heartbeat,
+    Import,
+    ImportDone,
     Publish,
     RegisterNode,
     Remove,
@@ -37,7 +42,7 @@ from kvdir.directory.commands import (
 from kvdir.directory.limits import COMMAND_BYTES_MAX, SHARD_MAP_BYTES_MAX
 
 MAGIC = b"K"
-VERSION = 3  # 2: Remove carries an address guard; 3: SetShardMap
+VERSION = 3  # 2: Remove carries an address guard; 3: SetShardMap and the move commands
 VERSIONS_READ = (2, 3)
 
 _T_REGISTER = 1
@@ -48,8 +53,15 @@ _T_CLEAR = 5
 _T_EXPIRE = 6
 _T_BARRIER = 7
 _T_SET_SHARD_MAP = 8
+_T_FREEZE = 9
+_T_BEGIN_IMPORT = 10
+_T_IMPORT = 11
+_T_IMPORT_DONE = 12
+_T_DROP = 13
 
-_SINCE = {_T_SET_SHARD_MAP: 3}
+_SINCE = {
+    t: 3 for t in (_T_SET_SHARD_MAP, _T_FREEZE, _T_BEGIN_IMPORT, _T_IMPORT, _T_IMPORT_DONE, _T_DROP)
+}
 """The format version that introduced a command type (the rest: 2)."""
 
 _U8 = struct.Struct("<B")
@@ -250,6 +262,23 @@ def encode(cmd: Command) -> bytes:
             w = _Writer(_T_SET_SHARD_MAP)
             w.u64(cmd.expected_version)
             w.long_text(cmd.shard_map.to_json())
+        case FreezeShard() | BeginImport():
+            w = _Writer(_T_FREEZE if isinstance(cmd, FreezeShard) else _T_BEGIN_IMPORT)
+            w.u32(cmd.shard_id)
+            _key_range(w, cmd.lo, cmd.hi)
+        case Import():
+            w = _Writer(_T_IMPORT)
+            w.u32(cmd.shard_id)
+            inner = encode(cmd.inner)
+            w.u32(len(inner))
+            w.parts.append(inner)
+        case ImportDone():
+            w = _Writer(_T_IMPORT_DONE)
+            w.u32(cmd.shard_id)
+        case DropShard():
+            w = _Writer(_T_DROP)
+            w.u32(cmd.shard_id)
+            w.u8(cmd.part)
     blob = w.done()
     # Validation bounds every field (limits.py ties batch sizes to this), so a
     # longer command is a programmer error, never an operator's.
@@ -318,6 +347,43 @@ def _barrier(_r: _Reader) -> Command:
     return Barrier()
 
 
+def _key_range(w: _Writer, lo: int, hi: int) -> None:
+    # hi may be 2**64: written as hi - 1 (the range is never empty: lo < hi).
+    w.u64(lo)
+    w.u64(hi - 1)
+
+
+def _read_range(r: _Reader) -> tuple[int, int]:
+    lo, last = r.u64(), r.u64()
+    if last < lo:
+        raise CodecError(f"empty key range [{lo}, {last}]")
+    return lo, last + 1
+
+
+def _freeze(r: _Reader) -> Command:
+    return FreezeShard(r.u32(), *_read_range(r))
+
+
+def _begin_import(r: _Reader) -> Command:
+    return BeginImport(r.u32(), *_read_range(r))
+
+
+def _import(r: _Reader) -> Command:
+    shard_id = r.u32()
+    inner = decode(r.take(r.u32()))
+    if not isinstance(inner, Publish | Remove | ClearNode | ExpireNodes):
+        raise CodecError(f"an Import cannot carry a {type(inner).__name__}")
+    return Import(shard_id, inner)
+
+
+def _import_done(r: _Reader) -> Command:
+    return ImportDone(r.u32())
+
+
+def _drop(r: _Reader) -> Command:
+    return DropShard(r.u32(), r.u8())
+
+
 def _set_shard_map(r: _Reader) -> Command:
     expected = r.u64()
     try:
@@ -335,6 +401,11 @@ _DECODERS: dict[int, Callable[[_Reader], Command]] = {
     _T_EXPIRE: _expire,
     _T_BARRIER: _barrier,
     _T_SET_SHARD_MAP: _set_shard_map,
+    _T_FREEZE: _freeze,
+    _T_BEGIN_IMPORT: _begin_import,
+    _T_IMPORT: _import,
+    _T_IMPORT_DONE: _import_done,
+    _T_DROP: _drop,
 }
 
 

@@ -108,8 +108,63 @@ class SetShardMap:
     shard_map: ShardMap
 
 
+@dataclass(frozen=True, slots=True)
+class FreezeShard:
+    """Move, source group: from this log index no write in keys [lo, hi) applies."""
+
+    shard_id: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True, slots=True)
+class BeginImport:
+    """Move, target group: keys [lo, hi) arrive by Import; clients' writes there wait
+    for ImportDone."""
+
+    shard_id: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True, slots=True)
+class Import:
+    """Move, target group: one command of the source's log, applied to the shard's
+    keys only (the importer filtered it to them)."""
+
+    shard_id: int
+    inner: Publish | Remove | ClearNode | ExpireNodes
+
+
+@dataclass(frozen=True, slots=True)
+class ImportDone:
+    """Move, target group: everything up to the source's freeze is applied."""
+
+    shard_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class DropShard:
+    """Move, source group: drop the frozen shard's entries in block-index part
+    `part` (0..255, in order; a 256th of the table per command, so no apply
+    holds the Raft thread long); after the last part the fence goes too."""
+
+    shard_id: int
+    part: int
+
+
+MoveCommand = FreezeShard | BeginImport | Import | ImportDone | DropShard
+
 Command = (
-    RegisterNode | Heartbeat | Publish | Remove | ClearNode | ExpireNodes | Barrier | SetShardMap
+    RegisterNode
+    | Heartbeat
+    | Publish
+    | Remove
+    | ClearNode
+    | ExpireNodes
+    | Barrier
+    | SetShardMap
+    | MoveCommand
 )
 
 
@@ -122,6 +177,8 @@ class Reject(IntEnum):
     BAD_BATCH = 4
     STALE_SHARD_MAP = 5
     BAD_SHARD_MAP = 6
+    SHARD_FENCED = 7
+    BAD_MOVE = 8
 
 
 @dataclass(frozen=True, slots=True)

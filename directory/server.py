@@ -29,6 +29,7 @@ from typing import Any, NoReturn, Protocol, TypeVar
 
 import grpc
 
+from kvdir.core import shard_wire
 from kvdir.core.security import authorize_node
 from kvdir.directory import answer, validate
 from kvdir.directory.commands import (
@@ -39,6 +40,7 @@ from kvdir.directory.commands import (
     Published,
     Registered,
     RegisterNode,
+    Reject,
     Rejected,
     Removed,
     Renewed,
@@ -70,6 +72,8 @@ _REJECT_REASON = {
     4: "bad-batch",
     5: "stale_version",
     6: "bad_shard_map",
+    7: "wrong_shard",
+    8: "bad_move",
 }
 
 Req = TypeVar("Req")
@@ -187,7 +191,14 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
             context.abort(code, f"outcome unknown: {res.reason}; the write is idempotent, retry it")
         result = res.result
         if isinstance(result, Rejected):
-            context.set_trailing_metadata((("kvdir-reason", _REJECT_REASON[result.reason]),))
+            reason = _REJECT_REASON[result.reason]
+            if result.reason is Reject.SHARD_FENCED:  # a shard moving here or away: see the map
+                version = str(self.shards.view.version)
+                context.set_trailing_metadata(
+                    (("kvdir-reason", reason), (shard_wire.SHARD_MAP_VERSION_KEY, version))
+                )
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, result.message)
+            context.set_trailing_metadata((("kvdir-reason", reason),))
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, result.message)
         assert result is not None
         return result

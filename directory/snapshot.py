@@ -44,6 +44,7 @@ import numpy.typing as npt
 from kvdir.core.shard_map import ShardMap, ShardMapError
 from kvdir.directory.block_index import BlockIndex
 from kvdir.directory.consensus.sync import REAL, Syncer, replace_durably
+from kvdir.directory.shard_fence import ShardFence
 from kvdir.directory.table import NIL, Columns, Freeze, NodeState, Table, untracked
 
 MAGIC = b"KVDSNAP\x00"
@@ -149,6 +150,7 @@ def freeze(table: Table) -> Frozen:
         "nodes": nodes,
         "free_node_idx": list(table.free_node_idx),
         "shard_map": None if table.shard_map is None else table.shard_map.to_json(),
+        "shard_fence": table.fence.to_json(),
     }
     return Frozen(table, meta)
 
@@ -486,8 +488,9 @@ def _restore_meta(table: Table, header: dict[str, Any], heads: list[array[int]])
     shard_map = header.get("shard_map")  # absent in format 2
     try:
         table.shard_map = None if shard_map is None else ShardMap.from_json(shard_map)
-    except ShardMapError as e:
-        raise SnapshotError(f"snapshot shard map: {e}") from e
+        table.fence = ShardFence.from_json(header.get("shard_fence"))
+    except (ShardMapError, ValueError) as e:
+        raise SnapshotError(f"snapshot shard map or fence: {e}") from e
     if table.free != NIL and not 0 <= table.free < len(keys):
         raise SnapshotError("snapshot free list is corrupt")
 

@@ -35,15 +35,21 @@ from typing import ClassVar, cast
 from kvdir.core.shard_map import ShardMap
 from kvdir.core.wire import HASH_BYTES_MAX
 from kvdir.directory import lookup as prefix_lookup
+from kvdir.directory import shard_moves
 from kvdir.directory.block_index import BlockIndex
 from kvdir.directory.commands import (
     Barrier,
+    BeginImport,
     ClearNode,
     Command,
     Done,
+    DropShard,
     Expired,
     ExpireNodes,
+    FreezeShard,
     Heartbeat,
+    Import,
+    ImportDone,
     Publish,
     Published,
     Registered,
@@ -59,6 +65,7 @@ from kvdir.directory.commands import (
     Tier,
 )
 from kvdir.directory.limits import HOLDERS_PER_BLOCK_MAX
+from kvdir.directory.shard_fence import ShardFence
 from kvdir.directory.shard_view import handover_error
 
 NIL = 0xFFFFFFFF
@@ -262,6 +269,8 @@ class Table:
         self.free_node_idx: list[int] = []
         self.shard_map: ShardMap | None = None
         """The committed shard map (only the home group's log ever sets one)."""
+        self.fence = ShardFence()
+        """Shards moving away (frozen) or in (importing): shard_fence.py."""
 
     # ------------------------------------------------------------ copy-on-write
 
@@ -295,9 +304,9 @@ class Table:
         """Apply one committed command. Deterministic; never raises on input."""
         match cmd:
             case Publish():
-                return self._publish(cmd)
+                return self._fenced(cmd.hashes) or self._publish(cmd)
             case Remove():
-                return self._remove(cmd)
+                return self._fenced(cmd.hashes) or self._remove(cmd)
             case Heartbeat():
                 return self._heartbeat(cmd)
             case RegisterNode():
@@ -310,6 +319,23 @@ class Table:
                 return Done()
             case SetShardMap():
                 return self._set_shard_map(cmd)
+            case FreezeShard() | BeginImport() | Import() | ImportDone() | DropShard():
+                return shard_moves.apply(self, cmd)
+
+    def _fenced(self, hashes: Sequence[bytes]) -> Rejected | None:
+        """A write naming a key of a frozen or importing shard is refused whole."""
+        if not self.fence:
+            return None
+        hit = self.fence.fenced(hashes)
+        if hit is None:
+            return None
+        i, r = hit
+        what = "moving away (frozen)" if r.shard_id in self.fence.frozen else "still importing"
+        return Rejected(
+            Reject.SHARD_FENCED,
+            f"block {hashes[i].hex()} is in shard {r.shard_id}, {what} here: "
+            "refresh the shard map and retry",
+        )
 
     def _set_shard_map(self, cmd: SetShardMap) -> Result:
         """Compare-and-set: checked again here, in log order, whatever the proposer saw."""
@@ -786,12 +812,14 @@ class Table:
 
         Two replicas that applied the same commands agree on it whether they
         built their table by applying entries or by loading a snapshot. A
-        committed shard map counts (the home group's replicas must agree on it
-        too); a table without one digests as it always did.
+        committed shard map and the move fences count (replicas must agree on
+        them too); a table without either digests as it always did.
         """
         h = hashlib.sha256()
         if self.shard_map is not None:
             h.update(self.shard_map.to_json().encode())
+        if self.fence:
+            h.update(repr(self.fence.to_json()).encode())
         for n in sorted(self.nodes.values(), key=lambda n: n.node_id):
             ident = (n.node_id, n.host, n.endpoint, n.transports, n.incarnation, n.lease_ms)
             h.update(repr((*ident, n.lease_expiry_ms, n.entries)).encode())

@@ -33,6 +33,7 @@ from kvdir.directory.commands import (
     Barrier,
     ClearNode,
     Command,
+    Import,
     Publish,
     Rejected,
     Remove,
@@ -51,6 +52,8 @@ CAPTURE_TIMEOUT_S = 5.0
 
 def namespace_of(cmd: Command) -> str | None:
     """The namespace a command touches; None for node-wide commands."""
+    if isinstance(cmd, Import):  # a moved shard's command: its own namespace
+        cmd = cmd.inner
     if isinstance(cmd, Publish | Remove):
         return cmd.namespace
     if isinstance(cmd, ClearNode) and not cmd.deregister:

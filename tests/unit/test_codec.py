@@ -14,10 +14,15 @@ from kvdir.directory import codec
 from kvdir.directory.codec import MAGIC, VERSION, VERSIONS_READ, CodecError, decode, encode
 from kvdir.directory.commands import (
     Barrier,
+    BeginImport,
     ClearNode,
     Command,
+    DropShard,
     ExpireNodes,
+    FreezeShard,
     Heartbeat,
+    Import,
+    ImportDone,
     Publish,
     RegisterNode,
     Remove,
@@ -55,6 +60,14 @@ EXAMPLES: list[Command] = [
     Barrier(),
     SetShardMap(0, even_map([Group("g0", ("127.0.0.1:1",))])),
     SetShardMap(U64 - 1, even_map([Group("g0", ("a:1", "b:2")), Group("ü", ("c:3",))], 3)),
+    FreezeShard(0, 0, 2**64),
+    BeginImport(U32, U64 - 1, U64),
+    Import(7, Publish("n", 1, "ns", 1, H8, [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [0] * 4)),
+    Import(7, Remove("n", 1, "ns", 2, H32[:2], [5, 6], [7, 8])),
+    Import(0, ClearNode("n", 1, None, True)),
+    Import(0, ExpireNodes(U64, (("a", 1),))),
+    ImportDone(U32),
+    DropShard(3, 255),
 ]
 
 EMPTY_BATCHES: list[Command] = [
@@ -73,7 +86,8 @@ def test_roundtrip_examples(cmd: Command) -> None:
     blob = encode(cmd)
     assert blob[:1] == MAGIC and blob[1] in VERSIONS_READ
     # A command keeps the oldest format version that has its type (codec._SINCE).
-    assert blob[1] == (VERSION if isinstance(cmd, SetShardMap) else 2)
+    new = (SetShardMap, FreezeShard, BeginImport, Import, ImportDone, DropShard)
+    assert blob[1] == (VERSION if isinstance(cmd, new) else 2)
     got = decode(blob)
     assert got == cmd
     assert type(got) is type(cmd)
@@ -89,7 +103,7 @@ def test_roundtrip_empty_batches(cmd: Command) -> None:
 
 def test_command_types_are_distinct_bytes() -> None:
     kinds = {encode(c)[2] for c in EXAMPLES}
-    assert len(kinds) == 8
+    assert len(kinds) == 13
 
 
 def test_same_width_hashes_use_compact_mode() -> None:
@@ -152,6 +166,11 @@ commands: st.SearchStrategy[Command] = st.one_of(
         u64,
         st.integers(1, 4).map(lambda n: even_map([Group(f"g{i}", ("h:1",)) for i in range(n)])),
     ),
+    st.builds(FreezeShard, u32, st.just(0), st.integers(1, 2**64)),
+    st.builds(BeginImport, u32, st.just(5), st.integers(6, 2**64)),
+    st.builds(Import, u32, st.one_of(publishes(), removes())),
+    st.builds(ImportDone, u32),
+    st.builds(DropShard, u32, u8),
 )
 
 
@@ -185,7 +204,7 @@ def test_decode_arbitrary_bytes(blob: bytes) -> None:
 
 
 @settings(max_examples=600, deadline=None)
-@given(kind=st.integers(0, 9), body=st.binary(max_size=80))
+@given(kind=st.integers(0, 14), body=st.binary(max_size=80))
 @example(
     kind=4,
     body=b"\x00\x00"
@@ -255,7 +274,7 @@ def test_unknown_version(version: int) -> None:
         decode(bytes(blob))
 
 
-@pytest.mark.parametrize("kind", [0, 9, 10, 255])
+@pytest.mark.parametrize("kind", [0, 14, 15, 255])
 def test_unknown_command_type(kind: int) -> None:
     with pytest.raises(CodecError, match="unknown command type"):
         decode(MAGIC + bytes((VERSION, kind)))
@@ -266,6 +285,13 @@ def test_a_type_is_unknown_in_a_version_older_than_it() -> None:
     blob[1] = 2
     with pytest.raises(CodecError, match="unknown command type 8 in format version 2"):
         decode(bytes(blob))
+
+
+def test_an_import_carries_only_source_log_commands() -> None:
+    inner = encode(Barrier())
+    blob = MAGIC + bytes((VERSION, 11)) + struct.pack("<II", 1, len(inner)) + inner
+    with pytest.raises(CodecError, match="an Import cannot carry a Barrier"):
+        decode(blob)
 
 
 def test_older_commands_read_in_either_version() -> None:
