@@ -87,6 +87,9 @@ class GatewayConfig:
     listen: str = "127.0.0.1:8080"
     directory: tuple[str, ...] = ()
     """Directory replicas' gRPC addresses (empty: no lookups, every decision is degraded)."""
+    shard_home: tuple[str, ...] = ()
+    """A sharded directory's home group (g0), instead of `directory`: lookups follow
+    the shard map it holds (one mirror stream per group; docs/sharding.md)."""
     policy: str = Policy.AFFINITY_POOL.value
     tls_cert: str = ""
     tls_key: str = ""
@@ -212,8 +215,11 @@ def from_dict(raw: dict[str, Any]) -> GatewayConfig:
         raise ConfigError("backends and models must be arrays of tables ([[backends]], [[models]])")
     backends = tuple(_table(BackendConfig, b, "[[backends]]") for b in backends_raw)
     models = tuple(_table(ModelConfig, m, "[[models]]") for m in models_raw)
-    if "directory" in raw:
-        raw["directory"] = _addresses(raw["directory"])
+    for key in ("directory", "shard_home"):
+        if key in raw:
+            raw[key] = _addresses(raw[key])
+    if raw.get("directory") and raw.get("shard_home"):
+        raise ConfigError("give directory (one group's replicas) or shard_home, not both")
     cfg: GatewayConfig = _table(
         GatewayConfig, {**raw, "backends": backends, "models": models}, "the gateway config"
     )
@@ -284,7 +290,7 @@ def check(cfg: GatewayConfig) -> None:
             f"policy {cfg.policy!r} must be one of {', '.join(p.value for p in Policy)}"
         ) from None
     host_port(cfg.listen, "listen")
-    for a in cfg.directory:
+    for a in (*cfg.directory, *cfg.shard_home):
         host_port(a, "directory address")
     if bool(cfg.tls_cert) != bool(cfg.tls_key):
         raise ConfigError("tls_cert and tls_key go together")

@@ -24,8 +24,9 @@ from typing import Any
 
 import grpc
 
-from kvdir.core.client import lookup_request
+from kvdir.core.client import DirectoryError, lookup_request
 from kvdir.core.security import PLAIN, ClientSecurity
+from kvdir.core.sharded_client import ShardedDirectoryClient
 from kvdir.core.wire import GRPC_MESSAGE_BYTES_MAX, namespace_key
 from kvdir.routing.directory_source import prompt_of
 from kvdir.routing.policy import Prompt
@@ -55,7 +56,11 @@ class DirectoryLookups:
         on_state: Callable[[bool], None] = lambda up: None,
         clock: Callable[[], float] = time.monotonic,
         security: ClientSecurity = PLAIN,
+        sharded: ShardedDirectoryClient | None = None,
     ) -> None:
+        """`sharded`: a sharded directory's client; each batch is split, fanned out
+        and merged by it (on a thread), `addresses` are then its home's."""
+        self._sharded = sharded
         self._addresses = list(addresses)
         self._security = security
         self._channels: list[grpc.aio.Channel] = []
@@ -73,7 +78,10 @@ class DirectoryLookups:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        if self._addresses:
+        if self._sharded is not None:
+            self._queue = asyncio.Queue(QUEUE_MAX)
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        elif self._addresses:
             opts = [
                 ("grpc.max_send_message_length", GRPC_MESSAGE_BYTES_MAX),
                 ("grpc.max_receive_message_length", GRPC_MESSAGE_BYTES_MAX),
@@ -91,6 +99,8 @@ class DirectoryLookups:
                 await self._task
         for c in self._channels:
             await c.close(None)
+        if self._sharded is not None:
+            self._sharded.close()
 
     def available(self) -> bool:
         return self._queue is not None and self._clock() >= self._down_until
@@ -144,6 +154,8 @@ class DirectoryLookups:
 
     async def _call(self, req: pb.LookupBatchRequest, deadline: float) -> pb.LookupBatchResponse:
         """The first replica that answers before the deadline (local reads: any replica)."""
+        if self._sharded is not None:
+            return await self._call_sharded(req, deadline)
         last = "deadline passed"
         for k in range(len(self._stubs)):
             left = deadline - time.monotonic()
@@ -160,6 +172,20 @@ class DirectoryLookups:
             self._preferred = i
             return resp
         raise LookupFailed(f"no directory replica answered: {last}")
+
+    async def _call_sharded(
+        self, req: pb.LookupBatchRequest, deadline: float
+    ) -> pb.LookupBatchResponse:
+        """The sharded client's merged answer (a dead group is a miss, not a failure)."""
+        assert self._sharded is not None
+        sharded = self._sharded
+        try:
+            return await asyncio.wait_for(
+                asyncio.to_thread(sharded.lookup_batch, list(req.lookups)),
+                max(0.0, deadline - time.monotonic()),
+            )
+        except (DirectoryError, TimeoutError) as e:
+            raise LookupFailed(f"the sharded directory did not answer: {e}") from None
 
     def _fail(self, batch: list[_Item], why: str) -> None:
         self._down_until = self._clock() + self._retry_s

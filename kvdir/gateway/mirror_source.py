@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from kvdir.core.mirror import Mirror, NotServed
 from kvdir.core.mirror_sync import MirrorSync
+from kvdir.core.sharded_mirror import ShardedMirror, ShardedMirrorSync
 from kvdir.core.wire import namespace_key
 from kvdir.directory.limits import RequestLimits
 from kvdir.directory.lookup import Chain
@@ -25,7 +26,12 @@ LOOKUP_NODES = RequestLimits().lookup_nodes_default
 
 
 class MirroredLookups:
-    def __init__(self, rpc: DirectoryLookups, mirror: Mirror, sync: MirrorSync) -> None:
+    def __init__(
+        self,
+        rpc: DirectoryLookups,
+        mirror: Mirror | ShardedMirror,
+        sync: MirrorSync | ShardedMirrorSync,
+    ) -> None:
         self.rpc = rpc
         self.mirror = mirror
         self.sync = sync

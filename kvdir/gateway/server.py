@@ -36,9 +36,13 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvdir.agent.pull_hint import HEADER as PULL_HEADER
 from kvdir.agent.pull_hint import ROUTE_HEADER, PullHint
+from kvdir.core.client import DirectoryError
 from kvdir.core.gc_freeze import freeze_startup
 from kvdir.core.mirror import Mirror
 from kvdir.core.mirror_sync import MirrorSync
+from kvdir.core.security import ClientSecurity
+from kvdir.core.sharded_client import ShardedDirectoryClient
+from kvdir.core.sharded_mirror import ShardedMirror, ShardedMirrorSync
 from kvdir.gateway.backends import Backend, BackendPool
 from kvdir.gateway.chain import chain_fn, model_namespace
 from kvdir.gateway.config import GatewayConfig, ModelConfig, directory_security, host_port
@@ -433,6 +437,8 @@ class Gateway:
 def _lookups(cfg: GatewayConfig, on_state: Callable[[bool], None]) -> Lookups:
     """The directory source: a mirror in front of the batched RPC path, or the RPC alone."""
     security = directory_security(cfg)
+    if cfg.shard_home:
+        return _sharded_lookups(cfg, on_state, security)
     rpc = DirectoryLookups(
         cfg.directory,
         cfg.lookup_timeout_ms / 1000,
@@ -445,6 +451,34 @@ def _lookups(cfg: GatewayConfig, on_state: Callable[[bool], None]) -> Lookups:
         return rpc
     mirror = Mirror(max_staleness_s=cfg.directory_mirror_staleness_ms / 1000)
     return MirroredLookups(rpc, mirror, MirrorSync(mirror, cfg.directory, security))
+
+
+def _sharded_lookups(
+    cfg: GatewayConfig, on_state: Callable[[bool], None], security: ClientSecurity
+) -> Lookups:
+    """A sharded directory: the sharded client's merged lookups, behind a mirror of
+    every group when the home's map is known at start (else the RPC path alone)."""
+    client = ShardedDirectoryClient(
+        cfg.shard_home, timeout_s=cfg.lookup_timeout_ms / 1000, security=security
+    )
+    rpc = DirectoryLookups(
+        cfg.shard_home,
+        cfg.lookup_timeout_ms / 1000,
+        cfg.directory_retry_s,
+        cfg.lookup_batch_max,
+        on_state=on_state,
+        security=security,
+        sharded=client,
+    )
+    if not cfg.directory_mirror:
+        return rpc
+    try:
+        shard_map = client.shard_map
+    except DirectoryError as e:
+        log.warning("no shard map at start (%s): lookups over gRPC only", e)
+        return rpc
+    mirror = ShardedMirror(shard_map, max_staleness_s=cfg.directory_mirror_staleness_ms / 1000)
+    return MirroredLookups(rpc, mirror, ShardedMirrorSync(mirror, security))
 
 
 def _forward_headers(request: web.Request, d: Decision | None) -> dict[str, str]:

@@ -8,6 +8,7 @@ agent configured with a shard home; then a whole group killed.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import signal
 import time
@@ -21,6 +22,9 @@ from kvdir.agent.engine.client import EngineClient
 from kvdir.core.client import DirectoryClient, records
 from kvdir.core.sharded_client import GROUP_DOWN_S, ShardedDirectoryClient
 from kvdir.core.sharded_mirror import ShardedMirror, ShardedMirrorSync
+from kvdir.core.wire import namespace_key
+from kvdir.directory.lookup import Chain
+from kvdir.gateway.lookup import DirectoryLookups
 from kvdir.local import LocalAgent, LocalCluster, wait_for
 from kvdir.v1 import directory_pb2 as pb
 from tests.agent.helpers import NS, POOL_SPEC, chain_of, store_chain
@@ -104,10 +108,29 @@ def test_sharded_answers_equal_a_single_group_run(sharded: ShardedCluster, tmp_p
                     "the sharded mirror to hold both holders",
                 )
                 assert list(mirror.lookup(NS, chain).matches) == list(want)
+                # The gateway's routing form, from the mirror and over the RPC path.
+                lengths = [(m.node_id, m.prefix_blocks) for m in want]
+                key = namespace_key(NS)
+                assert mirror.prefix_lengths(key, Chain.of(chain), 8) == lengths
+                assert [x[:2] for x in mirror.holders(key, Chain.of(chain), 8)] == lengths
             finally:
                 sync.stop()
+            assert asyncio.run(_gateway_prompt(sharded.home, chain)) == dict(lengths)
     finally:
         single.stop()
+
+
+async def _gateway_prompt(home: list[str], chain: list[bytes]) -> dict[str, int]:
+    """Who holds `chain`, as the gateway's batched RPC path asks a sharded directory."""
+    client = ShardedDirectoryClient(home, timeout_s=10)
+    rpc = DirectoryLookups(home, 10.0, 1.0, 32, sharded=client)
+    rpc.start()
+    try:
+        p = await rpc.prompt(NS, chain)
+    finally:
+        await rpc.stop()
+    assert p is not None
+    return {n: h.prefix_blocks for n, h in p.holders.items()}
 
 
 def _agent_config(tmp_path: Path, home: list[str]) -> str:
