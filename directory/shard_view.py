@@ -134,6 +134,13 @@ class ShardView:
         return None if own is None else own.shard_map
 
     @property
+    def owns_all(self) -> bool:
+        """Every key is this group's (unsharded, or a map giving it the whole space):
+        the check has nothing to do."""
+        own = self._own
+        return not self.sharded or (own is not None and own.all_keys)
+
+    @property
     def version(self) -> int:
         own = self._own
         return 0 if own is None else own.shard_map.version

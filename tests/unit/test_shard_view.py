@@ -157,3 +157,13 @@ def test_a_format_2_snapshot_still_loads_without_a_map() -> None:
     buf.seek(0)
     loaded, _, _ = snapshot.load(buf)
     assert loaded.shard_map is None
+
+
+def test_owns_all_is_what_lets_a_request_skip_the_check() -> None:
+    assert ShardView("g0", sharded=False).owns_all
+    view = ShardView("g0", sharded=True)
+    assert not view.owns_all  # no map yet: the check must refuse
+    view.offer(even_map(GROUPS[:1], 4))
+    assert view.owns_all
+    view.offer(even_map(GROUPS, 2).with_groups(GROUPS).with_split(0, 9))
+    assert not view.owns_all
