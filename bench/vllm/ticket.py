@@ -3,8 +3,9 @@
 Run as ``python -m bench.vllm.ticket [--tokens 1024 2048] [--reps 15]``. A
 real 3-replica directory on 127.0.0.1 and three real agents (`kvdir agent
 serve`): a holds each prefix (the `kvdir bench vllm` model's blocks: 8
-layers, 128 KiB per 32-token block), b reads it over tcp, c over shm. Per
-rep and reader, interleaved so the host's drift hits both alike, what the
+layers, 128 KiB per 32-token block), b reads it over tcp, c over shm, d over
+tcp with its directory mirror off (its lookups are replica RPCs). Per rep and
+reader, interleaved so the host's drift hits both alike, what the
 connector's worker does for a peer load:
 
 - ``ticket``: the scheduler side's Lookup (which now answers with a load
@@ -43,7 +44,10 @@ from kvdir.v1 import directory_pb2 as pb
 SLOTS = 1024
 WAIT_S = 60.0
 FETCH_TIMEOUT_MS = 30_000
-READERS = {"b": "tcp", "c": "tcp,shm"}
+READERS = {"b": "tcp", "c": "tcp,shm", "d": "tcp"}
+"""Reader -> transports; d runs with its directory mirror off (each lookup a replica RPC)."""
+MIRROR_OFF = {"d"}
+TRANSPORT = {"b": "tcp", "c": "shm", "d": "tcp, no mirror"}
 
 
 def _start(base: str, shape: Shape) -> tuple[LocalCluster, dict[str, LocalAgent]]:
@@ -51,7 +55,15 @@ def _start(base: str, shape: Shape) -> tuple[LocalCluster, dict[str, LocalAgent]
     cluster.start(timeout_s=WAIT_S)
     spec = pool_spec(shape, SLOTS)
     agents = {
-        n: LocalAgent(n, base, cluster.grpc_addresses, spec, transports=t, lease_ms=15_000)
+        n: LocalAgent(
+            n,
+            base,
+            cluster.grpc_addresses,
+            spec,
+            transports=t,
+            lease_ms=15_000,
+            extra_args=["--no-directory-mirror"] if n in MIRROR_OFF else [],
+        )
         for n, t in (("a", "tcp,shm"), *READERS.items())
     }
     for a in agents.values():
@@ -141,7 +153,7 @@ def _row(
         "tokens": tokens,
         "blocks": blocks,
         "reader": reader,
-        "transport": "tcp" if reader == "b" else "shm",
+        "transport": TRANSPORT[reader],
         "form": form,
         "lookup_ms_p50": med("lookup_s"),
         "fetch_ms_p50": fetch,
