@@ -57,6 +57,8 @@ class Ownership:
     all_keys: bool
     los: tuple[bytes, ...]
     his: tuple[bytes, ...]
+    bounds: tuple[bytes, ...]
+    """lo0, hi0, lo1, hi1, ...: strictly increasing (adjacent ranges are merged)."""
 
     @classmethod
     def of(cls, m: ShardMap, group_id: str) -> Ownership:
@@ -70,7 +72,9 @@ class Ownership:
                 ranges.append([s.lo, s.hi])
         whole = ranges == [[0, KEY_SPACE]]
         los = tuple(_bound(r[0]) for r in ranges)
-        return cls(m, group_id, whole, los, tuple(_bound(r[1]) for r in ranges))
+        his = tuple(_bound(r[1]) for r in ranges)
+        bounds = tuple(b for pair in zip(los, his, strict=True) for b in pair)
+        return cls(m, group_id, whole, los, his, bounds)
 
     def first_foreign(self, hashes: Sequence[bytes]) -> int:
         """Index of the first hash whose key this group does not own, or -1."""
@@ -80,8 +84,10 @@ class Ownership:
             lo, hi = self.los[0], self.his[0]
             if all(lo <= _key8(h).digest() < hi for h in hashes):
                 return -1
-        elif all(self._owns(_key8(h).digest()) for h in hashes):
-            return -1
+        else:  # a key is owned iff an odd number of bounds are <= it: no call per hash
+            bounds, right = self.bounds, bisect.bisect_right
+            if all(right(bounds, _key8(h).digest()) & 1 for h in hashes):
+                return -1
         # A refusal: find which one (the slow path costs only refused requests).
         return next(i for i, h in enumerate(hashes) if not self._owns(_key8(h).digest()))
 
