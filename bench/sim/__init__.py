@@ -48,4 +48,9 @@ def add_parser(sub: Any) -> None:
         "--merge", nargs="+", default=[], metavar="JSON", help="merge --out files into --report"
     )
     s.add_argument("--report", default="", help="with --merge: the markdown to write")
+    s.add_argument(
+        "--commit",
+        default="",
+        help="the commit to record in --out when the checkout has no git (a copied tree)",
+    )
     s.set_defaults(func=_cmd)

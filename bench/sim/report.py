@@ -105,8 +105,11 @@ def _steps(r: Result) -> int:
     return int(r.stats.get("steps_run", r.steps))
 
 
-def commit() -> str:
-    """The checkout's commit ("+dirty" if the simulator or the product differ from it)."""
+def commit(given: str = "") -> str:
+    """The checkout's commit ("+dirty" if the simulator or the product differ from it);
+    `given` (`--commit`) for a copied tree without git."""
+    if given:
+        return f"{given} (as given)"
     try:
         out = _git("rev-parse", "--short", "HEAD")
         dirty = _git(
@@ -135,13 +138,15 @@ def machine() -> str:
     return f"{platform.node()}: {os.cpu_count()} cpus {model}, Python {platform.python_version()}"
 
 
-def write(path: str, run: Run, results: list[Result]) -> None:
+def write(path: str, run: Run, results: list[Result], partial: bool = False) -> None:
+    """`partial`: the run is still going (a checkpoint); else it ended."""
     steps = sum(_steps(r) for r in results)
     cpu = _cpu() - run.cpu0
     doc: dict[str, Any] = {
         "format": FORMAT,
+        "partial": partial,
         "command": run.command,
-        "commit": commit(),
+        "commit": commit(str(run.args.get("commit", ""))),
         "machine": machine(),
         "nice": os.nice(0),
         "started": run.started,
@@ -260,9 +265,11 @@ def markdown(docs: list[dict[str, Any]], paths: list[str]) -> str:
     ]
     for d in docs:
         ps = [s["seed"] for s in d["seeds"]]
+        ended = d["ended"] + (" (its last checkpoint)" if d.get("partial") else "")
         lines.append(
             f"| `{d['command']}` | {d['commit']} | {d['machine']} | {d['nice']} "
-            f"| {d['started']} | {d['ended']} | {d['load_start'][0]} / {d['load_end'][0]} "
+            f"| {d['started']} | {ended} "
+            f"| {d['load_start'][0]} / {d['load_end'][0]} "
             f"| {seed_ranges(ps)} | {d['steps_run']:,} | {d['wall_s']:,} | {d['cpu_s']:,} "
             f"| {d['steps_run'] / max(d['wall_s'], 1e-9):,.0f} |"
         )

@@ -8,7 +8,9 @@ are exactly `--seed` to the last one started. A failing seed is printed
 with its violations and the end of its trace; rerun it alone with
 `--seed S --seeds 1 --trace` to see the whole trace. `--out` writes every
 seed's result and the run's circumstances (`report`), which `--merge`
-combines into the markdown of a long run.
+combines into the markdown of a long run; it is rewritten with what has
+finished every `PROGRESS_EVERY_S` ("partial": true), so a run killed from
+outside still leaves its results.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ def _run_seeds(args: argparse.Namespace, run: report.Run) -> list[Result]:
             if time.monotonic() - last >= PROGRESS_EVERY_S:
                 last = time.monotonic()
                 print(report.progress(results, run.wall()), flush=True)
+                if args.out:  # a run killed from outside still leaves what finished
+                    report.write(args.out, run, sorted(results, key=lambda r: r.seed), True)
     results.sort(key=lambda r: r.seed)
     return results
 
