@@ -232,6 +232,18 @@ class AdminService(pb_grpc.DirectoryAdminServicer):
         authorize_admin(context, self.cfg.auth.admins, "change the shard map")
         return shard_admin.set_shard_map(self.shard_view, self.consensus, request, context)
 
+    def MoveShard(
+        self, request: pb.MoveShardRequest, context: grpc.ServicerContext
+    ) -> pb.MoveShardResponse:
+        authorize_admin(context, self.cfg.auth.admins, "move shards")
+        return shard_admin.move_shard(self.consensus, request, context)
+
+    def ImportShard(
+        self, request: pb.ImportShardRequest, context: grpc.ServicerContext
+    ) -> pb.ImportShardResponse:
+        authorize_admin(context, self.cfg.auth.admins, "import shards")
+        return shard_admin.import_shard(self.consensus, request, context)
+
     # ---------------------------------------------------------------- backup
 
     def Backup(

@@ -147,7 +147,8 @@ class ImportDone:
 class DropShard:
     """Move, source group: drop the frozen shard's entries in block-index part
     `part` (0..255, in order; a 256th of the table per command, so no apply
-    holds the Raft thread long); after the last part the fence goes too."""
+    holds the Raft thread long). The fence stays: a replica routing by an old
+    map must still refuse the keys; a later BeginImport of them lifts it."""
 
     shard_id: int
     part: int

@@ -14,8 +14,28 @@ from typing import NoReturn
 import grpc
 
 from kvdir.core import shard_wire
-from kvdir.core.shard_map import ShardMapError
-from kvdir.directory.commands import Reject, Rejected, SetShardMap, ShardMapSet
+from kvdir.core.shard_map import KEY_SPACE, ShardMapError
+from kvdir.directory import codec
+from kvdir.directory.block_index import SHARDS
+from kvdir.directory.commands import (
+    BeginImport,
+    ClearNode,
+    Command,
+    DropShard,
+    ExpireNodes,
+    FreezeShard,
+    Import,
+    ImportDone,
+    Publish,
+    Published,
+    Reject,
+    Rejected,
+    Remove,
+    Removed,
+    Result,
+    SetShardMap,
+    ShardMapSet,
+)
 from kvdir.directory.consensus.port import Consensus, Outcome
 from kvdir.directory.limits import SHARD_MAP_BYTES_MAX
 from kvdir.directory.shard_view import HOME_GROUP, ShardView
@@ -24,6 +44,8 @@ from kvdir.v1 import directory_pb2 as pb
 log = logging.getLogger("kvdir.directory.shards")
 
 WRITE_TIMEOUT_S = 10.0
+IMPORT_COMMANDS_MAX = 256
+"""Commands one ImportShard call may carry (each is one Raft write, in order)."""
 
 
 def _abort(
@@ -106,4 +128,83 @@ def set_shard_map(
     return pb.SetShardMapResponse(map=shard_wire.to_pb(result.shard_map))
 
 
-__all__ = ["set_shard_map"]
+def _write(consensus: Consensus, cmd: Command, context: grpc.ServicerContext) -> Result:
+    """Propose `cmd`; a write outcome other than applied is the caller's status."""
+    remaining = context.time_remaining()
+    timeout_s = WRITE_TIMEOUT_S if remaining is None else max(0.0, min(WRITE_TIMEOUT_S, remaining))
+    res = consensus.write(cmd, timeout_s)
+    if res.outcome is Outcome.NOT_APPLIED:
+        context.set_trailing_metadata((("kvdir-outcome", "not-applied"),))
+        context.abort(grpc.StatusCode.UNAVAILABLE, f"not applied: {res.reason}; retry")
+    if res.outcome is Outcome.UNKNOWN:
+        context.set_trailing_metadata((("kvdir-outcome", "unknown"),))
+        context.abort(grpc.StatusCode.ABORTED, f"outcome unknown ({res.reason}); retry")
+    assert res.result is not None
+    if isinstance(res.result, Rejected):
+        bad_input = res.result.reason is Reject.BAD_BATCH
+        _abort(
+            context,
+            grpc.StatusCode.INVALID_ARGUMENT if bad_input else grpc.StatusCode.FAILED_PRECONDITION,
+            "bad-batch" if bad_input else "bad_move",
+            res.result.message,
+        )
+    return res.result
+
+
+def _move_command(request: pb.MoveShardRequest, context: grpc.ServicerContext) -> Command:
+    hi = KEY_SPACE if request.hi == 0 else request.hi
+    step = request.step
+    if step in (pb.MOVE_STEP_FREEZE, pb.MOVE_STEP_BEGIN_IMPORT):
+        if not request.lo < hi:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_move", "lo must be below hi")
+        kind = FreezeShard if step == pb.MOVE_STEP_FREEZE else BeginImport
+        return kind(request.shard_id, request.lo, hi)
+    if step == pb.MOVE_STEP_IMPORT_DONE:
+        return ImportDone(request.shard_id)
+    if step == pb.MOVE_STEP_DROP:
+        if request.part >= SHARDS:
+            _abort(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "bad_move", f"part is 0..{SHARDS - 1}"
+            )
+        return DropShard(request.shard_id, request.part)
+    _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_move", "no move step named")
+
+
+def move_shard(
+    consensus: Consensus, request: pb.MoveShardRequest, context: grpc.ServicerContext
+) -> pb.MoveShardResponse:
+    result = _write(consensus, _move_command(request, context), context)
+    removed = result.removed if isinstance(result, Removed) else 0
+    applied = consensus.status().applied_index
+    log.info("shard move step", extra={"step": request.step, "shard": request.shard_id})
+    return pb.MoveShardResponse(applied_index=applied, removed=removed)
+
+
+def import_shard(
+    consensus: Consensus, request: pb.ImportShardRequest, context: grpc.ServicerContext
+) -> pb.ImportShardResponse:
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    if len(request.commands) > IMPORT_COMMANDS_MAX:
+        _abort(context, bad, "bad-batch", f"at most {IMPORT_COMMANDS_MAX} commands per call")
+    inner: list[Publish | Remove | ClearNode | ExpireNodes] = []
+    for blob in request.commands:  # all decoded before any is proposed: all or none is bad
+        try:
+            cmd = codec.decode(blob)
+        except codec.CodecError as e:
+            _abort(context, bad, "bad-batch", f"not a command: {e}")
+        if not isinstance(cmd, Publish | Remove | ClearNode | ExpireNodes):
+            _abort(context, bad, "bad-batch", f"an import cannot carry a {type(cmd).__name__}")
+        inner.append(cmd)
+    resp = pb.ImportShardResponse()
+    for cmd in inner:
+        result = _write(consensus, Import(request.shard_id, cmd), context)
+        if isinstance(result, Published):
+            resp.applied += result.applied
+            resp.stale += result.stale
+        elif isinstance(result, Removed):
+            resp.applied += result.removed
+    resp.applied_index = consensus.status().applied_index
+    return resp
+
+
+__all__ = ["import_shard", "move_shard", "set_shard_map"]

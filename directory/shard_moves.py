@@ -6,7 +6,8 @@
     B: Import(S, cmd)   one command of A's log (or of A's snapshot, as Publishes),
                         filtered to S's keys, applied to S's keys only
     B: ImportDone(S)    B has applied A's log up to A's freeze: S is B's
-    A: DropShard(S, p)  A drops S's entries, a 256th of its table per command
+    A: DropShard(S, p)  A drops S's entries, a 256th of its table per command; S
+                        stays fenced on A until a later move brings it back
 
 Deterministic and pure, like the rest of the state machine; each command is
 checked again here at apply time. An imported write names A's node
@@ -73,6 +74,8 @@ def _fence(t: Table, cmd: FreezeShard | BeginImport) -> Result:
     held = t.fence.frozen if isinstance(cmd, FreezeShard) else t.fence.importing
     if held.get(r.shard_id) == r:
         return Done()  # the same command again (a retried proposal)
+    if isinstance(cmd, BeginImport):
+        _lift_dropped_within(t, r)  # the keys come back: a finished drop's fence may go
     other = t.fence.overlaps(r.lo, r.hi)
     if other is not None or r.shard_id in t.fence.frozen or r.shard_id in t.fence.importing:
         which = r.shard_id if other is None else other.shard_id
@@ -82,6 +85,13 @@ def _fence(t: Table, cmd: FreezeShard | BeginImport) -> Result:
     else:
         t.fence.begin_import(r)
     return Done()
+
+
+def _lift_dropped_within(t: Table, r: Range) -> None:
+    """Lift the fences of fully dropped shards that lie wholly inside `r`."""
+    for f in list(t.fence.frozen.values()):
+        if r.lo <= f.lo and f.hi <= r.hi and t.fence.drop_next[f.shard_id] == SHARDS:
+            t.fence.drop(f.shard_id)
 
 
 def _import(t: Table, cmd: Import) -> Result:
@@ -141,6 +151,8 @@ def _drop(t: Table, cmd: DropShard) -> Result:
     if r is None:
         return _bad(f"shard {cmd.shard_id} is not frozen here")
     expected = t.fence.drop_next[cmd.shard_id]
+    if cmd.part == expected - 1 and expected == SHARDS:
+        return Removed(0)  # the last part again (a retried proposal): nothing is left
     if cmd.part != expected:
         return _bad(f"shard {cmd.shard_id}: drop part {expected} next, not {cmd.part}")
     c = t.col
@@ -155,10 +167,10 @@ def _drop(t: Table, cmd: DropShard) -> Result:
                 t._release(s)
                 removed += 1
                 s = nxt
-    if cmd.part == SHARDS - 1:
-        t.fence.drop(cmd.shard_id)  # the keys are gone: the fence has nothing left to guard
-    else:
-        t.fence.drop_next[cmd.shard_id] = cmd.part + 1
+    # The fence stays after the last part: a replica still routing by a map from
+    # before the move would otherwise take writes in S here again, acknowledged
+    # and then lost. Only a later import of the keys back lifts it (`_fence`).
+    t.fence.drop_next[cmd.shard_id] = cmd.part + 1
     return Removed(removed)
 
 

@@ -100,7 +100,7 @@ def test_an_importing_shard_takes_imports_only_until_import_done() -> None:
     must_publish(b, "n1", IN_S[:2])  # S is B's now
 
 
-def test_drop_goes_part_by_part_in_order_then_lifts_the_fence() -> None:
+def test_drop_goes_part_by_part_in_order_and_keeps_the_fence() -> None:
     a, reference = Table(), Table()
     for t in (a, reference):
         must_register(t, "n1")
@@ -112,8 +112,18 @@ def test_drop_goes_part_by_part_in_order_then_lifts_the_fence() -> None:
     a.apply(FreezeShard(S_ID, S_LO, S_HI))
     rejected(a.apply(DropShard(S_ID, 1)), Reject.BAD_MOVE)  # part 0 first
     assert drop_all(a) == len(IN_S) + 50
-    assert a.digest() == reference.digest()  # S gone, nothing else touched, no fence left
-    must_publish(a, "n1", IN_S[:1])  # unfenced (the map decides who may write here now)
+    assert a.apply(DropShard(S_ID, SHARDS - 1)) == Removed(0)  # a retried last part
+    rejected(a.apply(DropShard(S_ID, 0)), Reject.BAD_MOVE)
+    # S gone, nothing else touched; the fence stays (a stale-map replica must still refuse).
+    rejected(publish(a, "n1", IN_S[:1]), Reject.SHARD_FENCED)
+    reference.apply(FreezeShard(S_ID, S_LO, S_HI))
+    for part in range(SHARDS):
+        reference.apply(DropShard(S_ID, part))
+    assert a.digest() == reference.digest()
+    # Moving S back to this group lifts the finished fence; an unfinished one stays.
+    rejected(a.apply(BeginImport(8, S_LO, S_HI // 2)), Reject.BAD_MOVE)  # S is not inside
+    assert a.apply(BeginImport(8, S_LO, S_HI)) == Done()
+    assert S_ID not in a.fence.frozen and 8 in a.fence.importing
 
 
 def test_a_whole_move_leaves_the_target_with_the_source_s_shard() -> None:

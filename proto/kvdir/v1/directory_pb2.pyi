@@ -116,6 +116,42 @@ writes until the map naming the target as the owner commits.
 """
 Global___ShardState: _TypeAlias = ShardState  # noqa: Y015
 
+class _MoveStep:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _MoveStepEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MoveStep.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MOVE_STEP_UNSPECIFIED: _MoveStep.ValueType  # 0
+    MOVE_STEP_FREEZE: _MoveStep.ValueType  # 1
+    """source: no write in [lo, hi) applies from now on"""
+    MOVE_STEP_BEGIN_IMPORT: _MoveStep.ValueType  # 2
+    """target: [lo, hi) arrives by ImportShard only"""
+    MOVE_STEP_IMPORT_DONE: _MoveStep.ValueType  # 3
+    """target: imported up to the source's freeze"""
+    MOVE_STEP_DROP: _MoveStep.ValueType  # 4
+    """source: drop the shard in block-index part `part` (0..255, in order)"""
+
+class MoveStep(_MoveStep, metaclass=_MoveStepEnumTypeWrapper):
+    """The move protocol's steps in one group (docs/sharding.md, "Re-sharding
+    online"), for the orchestrator (`kvdir ctl shards move`). Each is a command
+    in this group's log, checked again when it applies: a step that does not
+    fit the group's state (a range already fenced, a shard not being imported,
+    a drop part out of order) is FAILED_PRECONDITION `kvdir-reason: bad_move`.
+    Write outcomes as for Publish. Admin callers only.
+    """
+
+MOVE_STEP_UNSPECIFIED: MoveStep.ValueType  # 0
+MOVE_STEP_FREEZE: MoveStep.ValueType  # 1
+"""source: no write in [lo, hi) applies from now on"""
+MOVE_STEP_BEGIN_IMPORT: MoveStep.ValueType  # 2
+"""target: [lo, hi) arrives by ImportShard only"""
+MOVE_STEP_IMPORT_DONE: MoveStep.ValueType  # 3
+"""target: imported up to the source's freeze"""
+MOVE_STEP_DROP: MoveStep.ValueType  # 4
+"""source: drop the shard in block-index part `part` (0..255, in order)"""
+Global___MoveStep: _TypeAlias = MoveStep  # noqa: Y015
+
 @_typing.final
 class Namespace(_message.Message):
     """Names a model and its KV layout; blocks of different namespaces never match."""
@@ -1435,6 +1471,121 @@ class SetShardMapResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SetShardMapResponse: _TypeAlias = SetShardMapResponse  # noqa: Y015
+
+@_typing.final
+class MoveShardRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STEP_FIELD_NUMBER: _builtins.int
+    SHARD_ID_FIELD_NUMBER: _builtins.int
+    LO_FIELD_NUMBER: _builtins.int
+    HI_FIELD_NUMBER: _builtins.int
+    PART_FIELD_NUMBER: _builtins.int
+    step: Global___MoveStep.ValueType
+    shard_id: _builtins.int
+    lo: _builtins.int
+    """FREEZE, BEGIN_IMPORT: the shard's keys [lo, hi)"""
+    hi: _builtins.int
+    """0 means 2**64"""
+    part: _builtins.int
+    """DROP"""
+    def __init__(
+        self,
+        *,
+        step: Global___MoveStep.ValueType = ...,
+        shard_id: _builtins.int = ...,
+        lo: _builtins.int = ...,
+        hi: _builtins.int = ...,
+        part: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["hi", b"hi", "lo", b"lo", "part", b"part", "shard_id", b"shard_id", "step", b"step"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MoveShardRequest: _TypeAlias = MoveShardRequest  # noqa: Y015
+
+@_typing.final
+class MoveShardResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    APPLIED_INDEX_FIELD_NUMBER: _builtins.int
+    REMOVED_FIELD_NUMBER: _builtins.int
+    applied_index: _builtins.int
+    """this replica's applied index once the step applied"""
+    removed: _builtins.int
+    """DROP: entries dropped"""
+    def __init__(
+        self,
+        *,
+        applied_index: _builtins.int = ...,
+        removed: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied_index", b"applied_index", "removed", b"removed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MoveShardResponse: _TypeAlias = MoveShardResponse  # noqa: Y015
+
+@_typing.final
+class ImportShardRequest(_message.Message):
+    """Source-group commands for a shard this group is importing: the codec form
+    of a Watch's entries (directory/codec.py), each a Publish, Remove, ClearNode
+    or ExpireNodes whose hashes all lie inside the shard, applied in order.
+    INVALID_ARGUMENT: a command of another kind, undecodable, or naming keys
+    outside the shard.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SHARD_ID_FIELD_NUMBER: _builtins.int
+    COMMANDS_FIELD_NUMBER: _builtins.int
+    shard_id: _builtins.int
+    @_builtins.property
+    def commands(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]: ...
+    def __init__(
+        self,
+        *,
+        shard_id: _builtins.int = ...,
+        commands: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commands", b"commands", "shard_id", b"shard_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ImportShardRequest: _TypeAlias = ImportShardRequest  # noqa: Y015
+
+@_typing.final
+class ImportShardResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    APPLIED_FIELD_NUMBER: _builtins.int
+    STALE_FIELD_NUMBER: _builtins.int
+    APPLIED_INDEX_FIELD_NUMBER: _builtins.int
+    applied: _builtins.int
+    """entries published or removed"""
+    stale: _builtins.int
+    """entries skipped: unknown node or older incarnation here"""
+    applied_index: _builtins.int
+    def __init__(
+        self,
+        *,
+        applied: _builtins.int = ...,
+        stale: _builtins.int = ...,
+        applied_index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["applied", b"applied", "applied_index", b"applied_index", "stale", b"stale"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ImportShardResponse: _TypeAlias = ImportShardResponse  # noqa: Y015
 
 @_typing.final
 class EchoRequest(_message.Message):

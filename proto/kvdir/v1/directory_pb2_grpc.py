@@ -559,6 +559,16 @@ class DirectoryAdminStub:
                 request_serializer=kvdir_dot_v1_dot_directory__pb2.SetShardMapRequest.SerializeToString,
                 response_deserializer=kvdir_dot_v1_dot_directory__pb2.SetShardMapResponse.FromString,
                 _registered_method=True)
+        self.MoveShard = channel.unary_unary(
+                '/kvdir.v1.DirectoryAdmin/MoveShard',
+                request_serializer=kvdir_dot_v1_dot_directory__pb2.MoveShardRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_directory__pb2.MoveShardResponse.FromString,
+                _registered_method=True)
+        self.ImportShard = channel.unary_unary(
+                '/kvdir.v1.DirectoryAdmin/ImportShard',
+                request_serializer=kvdir_dot_v1_dot_directory__pb2.ImportShardRequest.SerializeToString,
+                response_deserializer=kvdir_dot_v1_dot_directory__pb2.ImportShardResponse.FromString,
+                _registered_method=True)
 
 
 class DirectoryAdminServicer:
@@ -588,6 +598,18 @@ class DirectoryAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def MoveShard(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportShard(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DirectoryAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -610,6 +632,16 @@ def add_DirectoryAdminServicer_to_server(servicer, server):
                     servicer.SetShardMap,
                     request_deserializer=kvdir_dot_v1_dot_directory__pb2.SetShardMapRequest.FromString,
                     response_serializer=kvdir_dot_v1_dot_directory__pb2.SetShardMapResponse.SerializeToString,
+            ),
+            'MoveShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.MoveShard,
+                    request_deserializer=kvdir_dot_v1_dot_directory__pb2.MoveShardRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_directory__pb2.MoveShardResponse.SerializeToString,
+            ),
+            'ImportShard': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportShard,
+                    request_deserializer=kvdir_dot_v1_dot_directory__pb2.ImportShardRequest.FromString,
+                    response_serializer=kvdir_dot_v1_dot_directory__pb2.ImportShardResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -720,6 +752,60 @@ class DirectoryAdmin:
             '/kvdir.v1.DirectoryAdmin/SetShardMap',
             kvdir_dot_v1_dot_directory__pb2.SetShardMapRequest.SerializeToString,
             kvdir_dot_v1_dot_directory__pb2.SetShardMapResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MoveShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdir.v1.DirectoryAdmin/MoveShard',
+            kvdir_dot_v1_dot_directory__pb2.MoveShardRequest.SerializeToString,
+            kvdir_dot_v1_dot_directory__pb2.MoveShardResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportShard(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvdir.v1.DirectoryAdmin/ImportShard',
+            kvdir_dot_v1_dot_directory__pb2.ImportShardRequest.SerializeToString,
+            kvdir_dot_v1_dot_directory__pb2.ImportShardResponse.FromString,
             options,
             channel_credentials,
             insecure,

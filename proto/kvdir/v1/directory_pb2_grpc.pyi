@@ -174,6 +174,8 @@ class DirectoryAdminStub:
     RemoveReplica: _grpc.UnaryUnaryMultiCallable[_directory_pb2.RemoveReplicaRequest, _directory_pb2.MembershipResponse]
     Backup: _grpc.UnaryStreamMultiCallable[_directory_pb2.BackupRequest, _directory_pb2.BackupChunk]
     SetShardMap: _grpc.UnaryUnaryMultiCallable[_directory_pb2.SetShardMapRequest, _directory_pb2.SetShardMapResponse]
+    MoveShard: _grpc.UnaryUnaryMultiCallable[_directory_pb2.MoveShardRequest, _directory_pb2.MoveShardResponse]
+    ImportShard: _grpc.UnaryUnaryMultiCallable[_directory_pb2.ImportShardRequest, _directory_pb2.ImportShardResponse]
 
 @_typing.type_check_only
 class DirectoryAdminAsyncStub(DirectoryAdminStub):
@@ -182,6 +184,8 @@ class DirectoryAdminAsyncStub(DirectoryAdminStub):
     RemoveReplica: _aio.UnaryUnaryMultiCallable[_directory_pb2.RemoveReplicaRequest, _directory_pb2.MembershipResponse]  # type: ignore[assignment]
     Backup: _aio.UnaryStreamMultiCallable[_directory_pb2.BackupRequest, _directory_pb2.BackupChunk]  # type: ignore[assignment]
     SetShardMap: _aio.UnaryUnaryMultiCallable[_directory_pb2.SetShardMapRequest, _directory_pb2.SetShardMapResponse]  # type: ignore[assignment]
+    MoveShard: _aio.UnaryUnaryMultiCallable[_directory_pb2.MoveShardRequest, _directory_pb2.MoveShardResponse]  # type: ignore[assignment]
+    ImportShard: _aio.UnaryUnaryMultiCallable[_directory_pb2.ImportShardRequest, _directory_pb2.ImportShardResponse]  # type: ignore[assignment]
 
 class DirectoryAdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -211,6 +215,20 @@ class DirectoryAdminServicer(metaclass=_abc_1.ABCMeta):
         request: _directory_pb2.SetShardMapRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_directory_pb2.SetShardMapResponse, _abc.Awaitable[_directory_pb2.SetShardMapResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def MoveShard(
+        self,
+        request: _directory_pb2.MoveShardRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_directory_pb2.MoveShardResponse, _abc.Awaitable[_directory_pb2.MoveShardResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ImportShard(
+        self,
+        request: _directory_pb2.ImportShardRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_directory_pb2.ImportShardResponse, _abc.Awaitable[_directory_pb2.ImportShardResponse]]: ...
 
 def add_DirectoryAdminServicer_to_server(servicer: DirectoryAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
