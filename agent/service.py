@@ -464,9 +464,9 @@ class EngineService(apb_grpc.EngineServicer):
         """The load ticket of the holders a fetch would try, when one holds more than
         this node's pool (b"" otherwise: nothing to fetch)."""
         cands = self.core.fetcher.candidates(matches, state.gpu is not None)
-        best = [c.match for c in cands[:TICKET_HOLDERS_MAX]]
-        if not best or best[0].prefix_blocks <= local:
+        if not cands or cands[0].blocks <= local:  # blocks: what its path can read
             return b""
+        best = [c.match for c in cands[:TICKET_HOLDERS_MAX]]
         return self.core.tickets.issue(ns_key(ns), state.pool.epoch, best)
 
     def Fetch(self, request: apb.FetchRequest, context: grpc.ServicerContext) -> apb.FetchResponse:
