@@ -59,6 +59,8 @@ LEASE_MS = 600_000
 HEARTBEAT_S = 60.0
 WRITER = "bench-writer"
 WRITER_BATCH = 64
+VERIFY_BATCH = 64
+"""Acknowledged writer chains looked up per LookupBatch when counting losses."""
 KILL_STEADY_S = 1.0
 """Steady writing before each kill (not a wait for a condition: the baseline)."""
 AFTER_KILL_S = 30.0
@@ -172,27 +174,40 @@ def _heartbeats(sc: ShardedDirectoryClient, nodes: Sequence[str], inc: int) -> t
 
 
 def _requests(s: Size, batch: int) -> dict[str, list[bytes]]:
-    """Serialized Publish requests per group: each chain's blocks split by owner."""
+    """Serialized Publish requests per group: each chain's blocks split by owner and
+    gathered per (group, node) into `batch`-entry requests, so every group count
+    sends requests of the same size (as an agent's 4,096-entry batch splits into
+    parts of about 4,096 / N)."""
     out: dict[str, list[bytes]] = {g.group_id: [] for g in s.map.groups}
+    pending: dict[tuple[str, int], list[tuple[bytes, int, int]]] = {}
+
+    def flush(g: str, n: int) -> None:
+        items = pending.pop((g, n), [])
+        if items:
+            out[g].append(
+                pb.PublishRequest(
+                    node_id=f"bench-node-{n:02d}",
+                    incarnation=s.incarnation,
+                    namespace=NAMESPACE,
+                    tier=pb.TIER_GPU,
+                    block_hashes=[x[0] for x in items],
+                    addresses=[x[1] * 65536 for x in items],
+                    lengths=[65536] * len(items),
+                    rkeys=[x[2] % 997 + 1 for x in items],
+                    generations=[1] * len(items),
+                ).SerializeToString()
+            )
+
     for c in range(s.chains):
         hs = chain(c)
-        base = c * CHAIN_BLOCKS
+        base, n = c * CHAIN_BLOCKS, c % NODES
         for g, pos in s.map.positions_by_group(hs).items():
-            for i in range(0, len(pos), batch):
-                part = pos[i : i + batch]
-                out[g].append(
-                    pb.PublishRequest(
-                        node_id=node(c),
-                        incarnation=s.incarnation,
-                        namespace=NAMESPACE,
-                        tier=pb.TIER_GPU,
-                        block_hashes=[hs[j] for j in part],
-                        addresses=[(base + j) * 65536 for j in part],
-                        lengths=[65536] * len(part),
-                        rkeys=[c % 997 + 1] * len(part),
-                        generations=[1] * len(part),
-                    ).SerializeToString()
-                )
+            part = pending.setdefault((g, n), [])
+            part.extend((hs[j], base + j, c) for j in pos)
+            if len(part) >= batch:
+                flush(g, n)
+    for g, n in list(pending):
+        flush(g, n)
     return out
 
 
@@ -386,11 +401,16 @@ def kills(s: Size, cfg: Config, sc: ShardedDirectoryClient) -> None:
         w.join(timeout=60)
     acked = [seq for seq, _ in w.acks]
     lost = 0
-    for seq in acked:
-        got = {
-            m.node_id: m.prefix_blocks for m in sc.lookup(NAMESPACE, Writer.hashes(seq), 4).matches
-        }
-        lost += WRITER_BATCH - got.get(WRITER, 0)
+    for i in range(0, len(acked), VERIFY_BATCH):
+        reqs = [
+            pb.LookupRequest(
+                namespace=NAMESPACE, packed_hashes=b"".join(Writer.hashes(seq)), hash_width=8
+            )
+            for seq in acked[i : i + VERIFY_BATCH]
+        ]
+        for r in sc.lookup_batch(reqs).results:
+            got = {m.node_id: m.prefix_blocks for m in r.matches}
+            lost += WRITER_BATCH - got.get(WRITER, 0)
     gaps = [r["gap_s"] for r in recs if "gap_s" in r]
     s.results["kills"] = {
         "kills": recs,

@@ -187,6 +187,10 @@ class DirectoryClient:
     def stub(self, address: str) -> pb_grpc.PrefixDirectoryStub:
         return self._stubs[address]
 
+    def preferred(self) -> str:
+        """The replica the next call goes to first (the last leader heard of)."""
+        return self.addresses[self._preferred]
+
     def _next_address(self, hint: str) -> None:
         if hint and hint in self._stubs:
             self._preferred = self.addresses.index(hint)

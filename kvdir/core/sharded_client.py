@@ -604,23 +604,7 @@ class ShardedDirectoryClient:
         now = self._clock()
         timeout = min(self.timeout_s, LOOKUP_TIMEOUT_S_MAX)
 
-        def ask(g: str, subs: dict[int, pb.LookupRequest]) -> Callable[[], dict[int, Any]]:
-            def run() -> dict[int, Any]:
-                if len(subs) == 1:
-                    ((i, sub),) = subs.items()
-                    sub.linearizable = linearizable
-                    return {i: clients[g].call("Lookup", sub, timeout, metadata=md)}
-                resp = clients[g].call(
-                    "LookupBatch",
-                    pb.LookupBatchRequest(lookups=list(subs.values()), linearizable=linearizable),
-                    timeout,
-                    metadata=md,
-                )
-                return dict(zip(subs, resp.results, strict=True))
-
-            return run
-
-        work: dict[str, Callable[[], dict[int, Any]]] = {}
+        calls: dict[str, tuple[str, Any]] = {}
         with self._lock:
             for g, subs in asks.items():
                 down = self._down_until.get(g)
@@ -628,8 +612,23 @@ class ShardedDirectoryClient:
                     continue  # known down: a miss, no wait
                 if down is not None:
                     self._down_until[g] = now + GROUP_DOWN_S  # this call is the one probe
-                work[g] = ask(g, subs)
-        got = self._each(work)
+                if len(subs) == 1:
+                    (sub,) = subs.values()
+                    sub.linearizable = linearizable
+                    calls[g] = ("Lookup", sub)
+                else:
+                    batch = pb.LookupBatchRequest(
+                        lookups=list(subs.values()), linearizable=linearizable
+                    )
+                    calls[g] = ("LookupBatch", batch)
+        got: dict[str, Any] = {}
+        for g, r in self._ask_all(calls, clients, timeout, md).items():
+            if isinstance(r, pb.LookupResponse):
+                got[g] = {next(iter(asks[g])): r}
+            elif isinstance(r, pb.LookupBatchResponse):
+                got[g] = dict(zip(asks[g], r.results, strict=True))
+            else:
+                got[g] = r
         out: dict[str, dict[int, pb.LookupResponse] | None] = {g: None for g in asks}
         for g, r in got.items():
             if isinstance(r, DirectoryError) and r.reason == shard_wire.REASON_WRONG_SHARD:
@@ -647,6 +646,34 @@ class ShardedDirectoryClient:
                 raise r
             self._up(g)
             out[g] = r
+        return out
+
+    def _ask_all(
+        self,
+        calls: Mapping[str, tuple[str, Any]],
+        clients: Mapping[str, DirectoryClient],
+        timeout_s: float,
+        md: list[tuple[str, str]],
+    ) -> dict[str, Any]:
+        """Every group's (method, request) started at once, as a gRPC future on the
+        replica its client prefers (no thread per group: a lookup's parts cost one
+        round trip, not a pool hand-off each); a part that fails goes again through
+        the group's retrying client, whose error (or answer) is that part's."""
+        futures = {}
+        for g, (method, req) in calls.items():
+            c = clients[g]
+            stub = getattr(c.stub(c.preferred()), method)
+            futures[g] = stub.future(req, timeout=timeout_s, metadata=md)
+        out: dict[str, Any] = {}
+        for g, f in futures.items():
+            try:
+                out[g] = f.result()
+            except grpc.RpcError:
+                method, req = calls[g]
+                try:
+                    out[g] = clients[g].call(method, req, timeout_s, metadata=md)
+                except Exception as e:
+                    out[g] = e
         return out
 
     def _up(self, g: str) -> None:
