@@ -145,10 +145,15 @@ class MirrorChecks:
 
     report: Callable[[str, str], None]
     applied: int = 0
+    last: tuple[int, int, int] = (0, 0, 0)
+    """The position checked last (one that stays wrong is reported once)."""
 
     def position(self, applied: int, heard_commit: int, max_commit: int) -> None:
         """`applied`, `heard_commit`: the mirror's; `max_commit`: the largest commit
         index any replica has reached so far in the run."""
+        if (applied, heard_commit, max_commit) == self.last:
+            return
+        self.last = (applied, heard_commit, max_commit)
         if applied < self.applied:
             self.report("mirror_backwards", f"mirror applied index {applied} after {self.applied}")
         if applied > max_commit:
