@@ -26,7 +26,8 @@ from kvdir.directory.commands import (
     Remove,
     Removed,
 )
-from kvdir.directory.shard_fence import key_of
+from kvdir.directory.shard_fence import Range, key_of
+from kvdir.directory.shard_import import snapshot_publishes, within
 from kvdir.directory.table import Table
 from tests.unit.helpers import (
     NS,
@@ -172,3 +173,39 @@ def test_fences_survive_a_snapshot() -> None:
     rejected(loaded.apply(DropShard(S_ID, 2)), Reject.BAD_MOVE)  # progress kept: part 3 next
     assert isinstance(loaded.apply(DropShard(S_ID, 3)), Removed)
     rejected(publish(loaded, "n1", IN_S[:1]), Reject.SHARD_FENCED)
+
+
+def test_an_import_built_from_a_snapshot_and_the_log_rebuilds_the_shard() -> None:
+    """directory/shard_import.py: the source's snapshot as Publishes, then its later
+    commands cut down to S, give the target exactly the source's S."""
+    a, b = Table(), Table()
+    for t in (a, b):
+        must_register(t, "n1")
+        must_register(t, "n2")
+    must_publish(a, "n1", HASHES, addr=0x10_000)
+    must_publish(a, "n2", HASHES[:100], addr=0x20_000, tier=2)
+    buf = io.BytesIO()
+    snapshot.write_to(buf, snapshot.capture(a), {}, [])
+    buf.seek(0)
+    source, _, _ = snapshot.load(buf)
+    s = Range(S_ID, S_LO, S_HI)
+    b.apply(BeginImport(S_ID, S_LO, S_HI))
+    for pub in snapshot_publishes(source, s, batch=50):
+        assert all(s.holds(key_of(x)) for x in pub.hashes) and len(pub.hashes) <= 50
+        assert isinstance(b.apply(Import(S_ID, pub)), Published)
+    later: list[Publish | Remove | ClearNode] = [
+        publish_cmd("n1", HASHES[:20], addr=0x30_000, gen=2),
+        Remove("n2", 1, NS, 2, HASHES[:30], [1] * 30, [0x20_000 + i for i in range(30)]),
+        ClearNode("n1", 1, NS, False),
+        publish_cmd("n1", HASHES[:10], addr=0x40_000, gen=3),
+    ]
+    for cmd in later:
+        assert not isinstance(a.apply(cmd), Rejected)
+        cut = within(cmd, s)
+        if cut is not None:
+            assert not isinstance(b.apply(Import(S_ID, cut)), Rejected)
+    assert within(publish_cmd("n1", OUT_S[:3]), s) is None
+    b.apply(ImportDone(S_ID))
+    for x in HASHES:
+        expected = view(a, [x]) if s.holds(key_of(x)) else []
+        assert view(b, [x]) == expected, x.hex()
