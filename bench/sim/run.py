@@ -16,6 +16,7 @@ outside still leaves its results.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import traceback
@@ -54,6 +55,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
         return 2
     if args.seeds < 1 or args.steps < 1 or args.jobs < 1:
         print("kvdir sim: --seeds, --steps and --jobs must be at least 1", file=sys.stderr)
+        return 2
+    out_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else ""
+    if out_dir and not os.access(out_dir, os.W_OK):
+        print(f"kvdir sim: cannot write --out in {out_dir}", file=sys.stderr)
         return 2
     run = report.Run.begin(args)
     results = _run_seeds(args, run)
