@@ -96,6 +96,12 @@ class ShardedMirror:
     # ------------------------------------------------------------- staleness
 
     @property
+    def applied_index(self) -> int:
+        """Every group's applied index summed: it only grows (a progress count), but
+        is no one log's index (compare a group's with `mirrors[g].applied_index`)."""
+        return sum(m.applied_index for m in self.mirrors.values())
+
+    @property
     def snapshots(self) -> int:
         """Snapshots loaded, every group's together."""
         return sum(m.snapshots for m in self.mirrors.values())
