@@ -59,10 +59,11 @@ DUMP_SYNC_BYTES = 8 << 20
 
 On ext4 (data=ordered) an fdatasync commits the filesystem journal, which first
 writes out every dirty data block allocated in that transaction, other files'
-included: one fsync of a whole 180 MB dump at its end made the leader's journal
-fdatasync, on its Raft thread, wait 230-270 ms (no heartbeat for longer than the
-150 ms election timeout: an election at every compaction at 3M entries). With
-8 MiB synced at a time that wait stays under ~30 ms (bench host, 2026-12-04)."""
+included. One fsync of a whole ~190 MB dump (3M entries) at its end held every
+Raft journal fdatasync on that disk, on each replica's Raft thread, 200-440 ms:
+longer than the 150 ms election timeout, an election at every compaction
+(bench/results/directory-compaction-2026-12-04.md). Synced 8 MiB at a time, a
+concurrent fdatasync waited 21-30 ms instead of 230-270 ms (bench host, alone)."""
 
 RaftEntry = tuple[bytes, int, int]
 _NODE_HEAD, _NODE_ENTRIES = 7, 8

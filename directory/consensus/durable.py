@@ -49,7 +49,7 @@ from kvdir.directory.consensus.pysyncobj_journal import (
     open_journal,
     register,
 )
-from kvdir.directory.consensus.sync import REAL, Durability, Syncer, replace_durably
+from kvdir.directory.consensus.sync import REAL, Durability, Syncer, replace_freeing_later
 
 log = logging.getLogger("kvdir.directory.journal")
 
@@ -221,7 +221,7 @@ class DurableSyncObj(SyncObj):  # type: ignore[misc]
                     extra={"dump_index": index, "in_place": self.dump_index},
                 )
                 return False
-            replace_durably(staged, dump, self._kvdir_syncer)
+            replace_freeing_later(staged, dump, self._kvdir_syncer)
             self.dump_index = index
             return True
 

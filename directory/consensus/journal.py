@@ -33,7 +33,7 @@ from kvdir.directory.consensus.sync import (
     REAL,
     Durability,
     Syncer,
-    replace_durably,
+    replace_freeing_later,
     write_all,
 )
 
@@ -173,7 +173,7 @@ class LogFile:
             self.syncer.file(fd)
         finally:
             os.close(fd)
-        replace_durably(tmp, self.path, self.syncer)
+        replace_freeing_later(tmp, self.path, self.syncer)  # runs on the Raft thread
 
     # --------------------------------------------------------------- appends
 

@@ -8,6 +8,7 @@ durable only once its directory is synced too: `replace_durably` does both.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
@@ -62,6 +63,47 @@ def replace_durably(tmp: str, path: str, syncer: Syncer = REAL) -> None:
     syncer.directory(os.path.dirname(os.path.abspath(path)))
 
 
+FREE_STEP_BYTES = 8 << 20
+"""A replaced file's blocks are freed this many bytes at a time (`replace_freeing_later`)."""
+
+
+def replace_freeing_later(tmp: str, path: str, syncer: Syncer = REAL) -> None:
+    """`replace_durably`, but the replaced file's blocks are freed on another thread, in steps.
+
+    The call that drops a big file's last reference frees its blocks there and
+    then: a rename over a 120 MB journal took 80 ms, over 400 MB 264 ms, on the
+    bench host (ext4 mounted with online discard), and other files' fdatasync
+    waited up to 60-110 ms meanwhile. A Raft thread must not do that (a journal
+    rewrite after a compaction replaced the whole log file on it). So the old
+    file is held open across the rename, then truncated FREE_STEP_BYTES at a
+    time and closed by a daemon thread. A crash meanwhile leaves an orphan
+    inode, which the filesystem frees when it is next mounted; the new file is
+    in place and durable before this returns, as with `replace_durably`.
+    """
+    try:
+        old = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        old = -1
+    try:
+        replace_durably(tmp, path, syncer)
+    except BaseException:
+        if old >= 0:
+            os.close(old)  # still the file at `path`: never truncate it
+        raise
+    if old >= 0:
+        threading.Thread(target=_free, args=(old,), name="kvdir-free", daemon=True).start()
+
+
+def _free(fd: int) -> None:
+    try:
+        size = os.fstat(fd).st_size
+        while size > 0:
+            size = max(0, size - FREE_STEP_BYTES)
+            os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
 def write_atomically(path: str, chunks: Iterable[bytes], syncer: Syncer = REAL) -> None:
     """Write `path` so that a reader finds the old file or the whole new one, never a part.
 
@@ -96,6 +138,7 @@ __all__ = [
     "Syncer",
     "fsync_dir",
     "replace_durably",
+    "replace_freeing_later",
     "write_all",
     "write_atomically",
 ]
