@@ -15,6 +15,7 @@ import pytest
 
 from bench.sim.checks import MirrorChecks
 from bench.sim.knobs import Knobs
+from bench.sim.mirrors import SimMirror
 from bench.sim.net import NetFaults
 from bench.sim.simulation import Simulation
 from kvdir.directory import codec
@@ -108,3 +109,18 @@ def test_mirror_checks_catch_backwards_and_ahead() -> None:
     assert seen[-1] == "mirror_ahead"
     checks.position(12, 11, 12)
     assert seen[-1] == "mirror_ahead_of_heard"
+
+
+def _raft_lines(trace: list[str]) -> list[str]:
+    return [ln for ln in trace if "mirror" not in ln and " end {" not in ln]
+
+
+def test_the_mirror_leaves_the_raft_run_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The regression seeds of test_raft_sim.py keep their meaning only if a seed's
+    replicas do the same with the mirror as without it."""
+    with_mirror = Simulation(6, 400).run()
+    monkeypatch.setattr(SimMirror, "attach", lambda *_: None)
+    monkeypatch.setattr(SimMirror, "step", lambda *_, **__: None)
+    without = Simulation(6, 400).run()
+    assert _raft_lines(with_mirror.trace) == _raft_lines(without.trace)
+    assert with_mirror.stats["mirror"]["events"] > 0 and without.stats["mirror"]["events"] == 0
