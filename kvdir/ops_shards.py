@@ -4,6 +4,8 @@ kvdir ctl shards --addr G0_ADDRS              the map, then per group its leader
                                               term, commit/applied indexes, entries
 kvdir ctl shards split SHARD --addr G0_ADDRS  split SHARD in the middle (or --at KEY):
                                               a map change only, both halves stay put
+kvdir ctl shards move SHARD --to GROUP ...    move SHARD's entries to GROUP and the map
+                                              with them (kvdir/shard_move.py)
 
 `--addr` names the home group's (g0's) replicas: the map lives in its log. The
 split is a compare-and-set against the version read just before, so two
@@ -103,8 +105,10 @@ def cmd_shards(args: argparse.Namespace) -> int:
         raise OpsError("give --addr HOST:PORT,... (the home group's gRPC addresses)")
     if args.action == "split":
         return _split(args, security, addrs)
+    if args.action == "move":
+        return _move(args, security, addrs)
     if args.action is not None or args.shard is not None:
-        raise OpsError("usage: kvdir ctl shards [split SHARD] --addr G0_ADDRS")
+        raise OpsError("usage: kvdir ctl shards [split SHARD | move SHARD --to GROUP]")
     m = fetch_map(addrs, security, args.timeout)
     groups = {g.group_id: [(a, _status(security, a)) for a in g.replicas] for g in m.groups}
     if args.json:
@@ -157,6 +161,25 @@ def _split(args: argparse.Namespace, security: ClientSecurity, addrs: list[str])
     return 0
 
 
+def _move(args: argparse.Namespace, security: ClientSecurity, addrs: list[str]) -> int:
+    from kvdir import shard_move  # the directory's codec and snapshot: only for a move
+
+    if args.shard is None or not args.to:
+        raise OpsError("name the shard and its new group: kvdir ctl shards move SHARD --to GROUP")
+    done = shard_move.move(
+        tuple(addrs),
+        security,
+        lambda: fetch_map(addrs, security, args.timeout),
+        args.shard,
+        args.to,
+        args.timeout,
+        lambda line: print(line, flush=True),
+    )
+    print(f"moved shard {args.shard} to group {args.to}")
+    print("\n".join(format_map(done)))
+    return 0
+
+
 def _set_map(
     addrs: list[str], security: ClientSecurity, req: pb.SetShardMapRequest, timeout_s: float
 ) -> ShardMap:
@@ -184,11 +207,14 @@ def add_ctl_parsers(ctl: Any, default_addrs: str) -> None:
     s = ctl.add_parser(
         "shards", help="the shard map and each group's state; `split SHARD` splits a shard"
     )
-    s.add_argument("action", nargs="?", choices=["split"], help="split: split SHARD")
-    s.add_argument("shard", nargs="?", type=int, help="the shard to split")
+    s.add_argument(
+        "action", nargs="?", choices=["split", "move"], help="split SHARD, or move SHARD --to"
+    )
+    s.add_argument("shard", nargs="?", type=int, help="the shard to split or move")
     s.add_argument("--at", type=int, help="split at this key (default: the shard's middle)")
+    s.add_argument("--to", help="move: the group to move the shard to")
     s.add_argument("--addr", default=default_addrs, help="the home group's (g0) gRPC addresses")
-    s.add_argument("--timeout", type=float, default=10.0)
+    s.add_argument("--timeout", type=float, default=10.0, help="seconds (a move: give more)")
     s.add_argument("--json", action="store_true")
     secflags.add_client_flags(s)
     s.set_defaults(func=cmd_shards)

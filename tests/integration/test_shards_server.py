@@ -12,6 +12,7 @@ restart of all of g0's replicas from the journal and from a snapshot.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,7 +25,7 @@ import grpc
 import pytest
 
 from kvdir.core import shard_wire
-from kvdir.core.shard_map import Shard, ShardMap
+from kvdir.core.shard_map import Shard, ShardMap, shard_key
 from kvdir.directory.shard_service import FETCH_CALL_TIMEOUT_S
 from kvdir.local import LocalCluster, Replica, ShardedCluster, wait_for
 from kvdir.v1 import directory_pb2 as pb
@@ -285,6 +286,74 @@ def test_a_split_is_learned_by_g1_within_its_refresh_bound(sharded: ShardedClust
     bad = ctl("shards", "split", "99999", "--addr", home)
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1
     assert "no shard 99999" in bad.stderr
+
+
+def publish_routed(sharded: ShardedCluster, req: pb.PublishRequest) -> None:
+    """Publish to the group owning the batch under the newest map; on wrong_shard,
+    read the map again and resend (bounded). Returns once acknowledged."""
+    for _ in range(50):
+        m = current_map(sharded)
+        owner = m.shard_of(req.block_hashes[0]).group_id
+        try:
+            on_group(sharded.clusters[owner], lambda s: s.Publish(req, timeout=10))
+            return
+        except grpc.RpcError as e:
+            if trailers(e).get("kvdir-reason") != "wrong_shard":
+                raise
+        time.sleep(0.05)
+    raise AssertionError("still refused as wrong_shard after 50 map reads")
+
+
+def test_a_move_under_publishes_loses_no_acknowledged_write(sharded: ShardedCluster) -> None:
+    g0, g1 = sharded.clusters["g0"], sharded.clusters["g1"]
+    m = current_map(sharded)
+    s = next(x for x in m.shards if x.group_id == "g0")
+    for group in (g0, g1):
+        register(group, "mover")
+    in_s = [h for h in owned(m, "g0", 4000, 7) if s.lo <= shard_key(h) < s.hi]
+    batches = [in_s[i : i + 20] for i in range(0, len(in_s), 20)]
+    publish_routed(sharded, publish_req("mover", batches[0]))
+    acked: list[list[bytes]] = [batches[0]]
+    home = ",".join(g0.grpc_addresses)
+    move = ["move", str(s.shard_id), "--to", "g1", "--addr", home, "--timeout", "120"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvdir.cli", "ctl", "shards", *move],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for batch in batches[1:-1]:  # publishes go on through the move
+            publish_routed(sharded, publish_req("mover", batch))
+            acked.append(batch)
+            if proc.poll() is not None:
+                break
+        out, err = proc.communicate(timeout=150)
+        publish_routed(sharded, publish_req("mover", batches[-1]))  # and after it
+        acked.append(batches[-1])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, err
+    assert f"moved shard {s.shard_id} to group g1" in out and "source frozen at index" in out
+    after = current_map(sharded)
+    assert after.shard_of(in_s[0]).group_id == "g1" and after.version == m.version + 2
+    # Publishes straddled the move: the first reached g0 (imported, then dropped there),
+    # the last went to g1 under the new map.
+    dropped = int(re.search(r"source dropped (\d+) entries", out).group(1))  # type: ignore[union-attr]
+    assert dropped >= len(batches[0]), out
+    for batch in acked:  # every acknowledged write is in its new group
+        lk = pb.LookupRequest(namespace=SPACE, block_hashes=batch)
+        got = on_group(g1, lambda stub, lk=lk: stub.Lookup(lk, timeout=10))  # type: ignore[misc]
+        assert [(x.node_id, x.prefix_blocks) for x in got.matches] == [("mover", len(batch))]
+    sharded.wait_map_version(after.version, 30)
+    lk = pb.LookupRequest(namespace=SPACE, block_hashes=acked[0])
+    e = refused(lambda: on_group(g0, lambda stub: stub.Lookup(lk, timeout=10)))
+    assert trailers(e)["kvdir-reason"] == "wrong_shard"
+    # The old owner dropped the shard and keeps it fenced against pre-move maps.
+    e = refused(lambda: on_group(g0, lambda stub: stub.Publish(publish_req("mover", in_s[:1]))))
+    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def restart_home(sharded: ShardedCluster) -> None:
