@@ -178,6 +178,8 @@ class Model:
                 return Expired(tuple(gone), removed)
             case Barrier():
                 return Done()
+            case _:  # the shard map and moves: test_shard_view.py, test_shard_moves.py
+                raise NotImplementedError(f"the model has no {type(cmd).__name__}")
 
     def _register(self, cmd: RegisterNode) -> Result:
         node = self.nodes.get(cmd.node_id)
