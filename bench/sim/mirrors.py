@@ -114,9 +114,11 @@ class SimMirror:
         note: Callable[[str], None],
         violation: Callable[[str, str], None],
         tamper: Tamper | None = None,
+        knobs: MirrorKnobs | None = None,
     ) -> None:
         self.rng = random.Random(f"mirror/{seed}")
-        self.knobs = MirrorKnobs.draw(self.rng)
+        drawn = MirrorKnobs.draw(self.rng)
+        self.knobs = knobs or drawn
         self.limits = self.knobs.limits()
         self.mirror = Mirror(max_staleness_s=1e9, clock=clock)
         self.clock = clock
@@ -174,8 +176,7 @@ class SimMirror:
             return False
         self.streams += 1
         self.pause_s = RETRY_S_MIN
-        how = f"from {req.from_index}" if req.from_index else "from a snapshot"
-        self._note(f"mirror: follows {addr} {how} (at {w.handed})")
+        self._note(f"mirror: follows {addr} from {req.from_index} (at {w.handed})")
         self.stream = _Stream(addr, inc, svc, w, first)
         self.next_at = addr
         return True
@@ -208,12 +209,15 @@ class SimMirror:
         if self._tamper is not None:
             ev = self._tamper(ev)
         self.events += 1
+        loaded = self.mirror.snapshots
         try:
             self.mirror.on_event(ev)
         except (MirrorError, Resync) as e:
             self._violation("mirror_error", f"{ev.replica_id}: {type(e).__name__}: {e}"[:300])
             self._end(advance=True)
             return False
+        if self.mirror.snapshots != loaded:
+            self._note(f"mirror: loaded {ev.replica_id}'s snapshot at {self.mirror.applied_index}")
         return True
 
     def _end(self, advance: bool, close: bool = True) -> None:

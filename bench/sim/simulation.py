@@ -32,7 +32,7 @@ from bench.sim.checks import Invariants, MirrorChecks, Violation, watch_cuts
 from bench.sim.disk import Disk
 from bench.sim.knobs import Knobs, Result
 from bench.sim.membership import Membership
-from bench.sim.mirrors import FINAL_PUMPS_MAX, SimMirror, Tamper
+from bench.sim.mirrors import FINAL_PUMPS_MAX, MirrorKnobs, SimMirror, Tamper
 from bench.sim.net import NetFaults, Network
 from bench.sim.workload import Workload
 from kvdir.directory.consensus.tuning import RaftTuning
@@ -67,11 +67,13 @@ class Simulation:
         knobs: Knobs | None = None,
         disk_lies: bool = False,
         tamper: Tamper | None = None,
+        mirror_knobs: MirrorKnobs | None = None,
     ) -> None:
         """`knobs`: fixed rates instead of the seed's; `disk_lies`: syncs record nothing
         (a disk that loses everything at a power cut: the checks must then catch lost
         writes, which is how the tests know they can fail); `tamper`: changes each
-        Watch event before the mirror sees it (the mirror checks must then fail)."""
+        Watch event before the mirror sees it (the mirror checks must then fail);
+        `mirror_knobs`: the mirror's rates instead of the seed's."""
         self.seed, self.steps, self.n = seed, steps, replicas
         self.rng = random.Random(f"sim/{seed}")
         drawn = Knobs.draw(self.rng)
@@ -99,7 +101,9 @@ class Simulation:
         """The largest commit index any replica has reached (what no mirror may pass)."""
         # The mirror reads the clock without advancing it (each reading of `clock()`
         # costs simulated time, which would change the replicas' run).
-        self.mirror = SimMirror(seed, lambda: self.clock.now, self.note, self.violation, tamper)
+        self.mirror = SimMirror(
+            seed, lambda: self.clock.now, self.note, self.violation, tamper, mirror_knobs
+        )
         self.mirror_checks = MirrorChecks(self.violation)
         self._mirror_seen = -1
         self.mirror_digests = 0
