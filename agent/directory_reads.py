@@ -158,7 +158,7 @@ def mirror_reads(
     staleness_s = cfg.directory_mirror_staleness_ms / 1000
     if isinstance(client, ShardedDirectoryClient):
         sharded = ShardedMirror(client.shard_map, staleness_s, namespaces)
-        return MirrorReads(client, sharded, ShardedMirrorSync(sharded, security))
+        sync = ShardedMirrorSync(sharded, security, follow=client.refresh_map)
+        return MirrorReads(client, sharded, sync)
     mirror = Mirror(max_staleness_s=staleness_s, namespaces=namespaces)
-    sync = MirrorSync(mirror, cfg.directory, security)
-    return MirrorReads(client, mirror, sync)
+    return MirrorReads(client, mirror, MirrorSync(mirror, cfg.directory, security))

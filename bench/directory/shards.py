@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.directory.config import Config
-from bench.directory.groups import ShardedCluster
 from bench.host import load_average, proc_cpu_s, rss_bytes
 from bench.measure import deadline_loop, ms_stats_from_ns, say, us_stats_from_ns
 from bench.workers import CallTask, WorkerPool
@@ -46,7 +45,7 @@ from kvdir.core.client import DirectoryClient, DirectoryError
 from kvdir.core.shard_map import ShardMap
 from kvdir.core.sharded_client import ShardedDirectoryClient
 from kvdir.core.sharded_mirror import ShardedMirror, ShardedMirrorSync
-from kvdir.local import Replica
+from kvdir.local import Replica, ShardedCluster
 from kvdir.report import fmt
 from kvdir.v1 import directory_pb2 as pb
 
@@ -96,7 +95,7 @@ class Size:
 
     @property
     def map(self) -> ShardMap:
-        return self.cluster.map
+        return self.cluster.initial_map
 
     @property
     def entries(self) -> int:
@@ -106,10 +105,14 @@ class Size:
 # ------------------------------------------------------------------ cluster
 
 
+def _replicas(sc: ShardedCluster) -> list[tuple[str, Replica]]:
+    return [(g, r) for g, c in sc.clusters.items() for r in c.replicas]
+
+
 def _replica_cpu(sc: ShardedCluster) -> dict[str, float]:
     return {
         f"{g}/{r.replica_id}": proc_cpu_s(r.proc.pid)
-        for g, r in sc.replicas()
+        for g, r in _replicas(sc)
         if r.proc is not None and r.alive
     }
 
@@ -117,7 +120,7 @@ def _replica_cpu(sc: ShardedCluster) -> dict[str, float]:
 def _replica_rss(sc: ShardedCluster) -> dict[str, int]:
     return {
         f"{g}/{r.replica_id}": rss_bytes(r.proc.pid)
-        for g, r in sc.replicas()
+        for g, r in _replicas(sc)
         if r.proc is not None and r.alive
     }
 
@@ -144,7 +147,7 @@ def _wait_entries(sc: ShardedCluster, want: dict[str, int], timeout_s: float) ->
     t0 = time.monotonic()
     for _ in deadline_loop(timeout_s, 0.1):
         ok = True
-        for g, r in sc.replicas():
+        for g, r in _replicas(sc):
             if not r.alive:
                 continue
             s = _status(r.grpc_address)
@@ -495,7 +498,7 @@ def measure(groups: int, cfg: Config, base: str, pool: WorkerPool) -> dict[str, 
     t0 = time.monotonic()
     try:
         cluster.start(timeout_s=120)
-        with ShardedDirectoryClient(cluster.home, timeout_s=10.0) as sc:
+        with ShardedDirectoryClient(cluster.home.grpc_addresses, timeout_s=10.0) as sc:
             nodes = [*sorted({node(c) for c in range(NODES)}), WRITER]
             for n in nodes:
                 sc.register_node(n, "127.0.0.1", s.incarnation, "127.0.0.1:9000", ["tcp"], LEASE_MS)

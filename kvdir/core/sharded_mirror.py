@@ -37,6 +37,8 @@ raises `NotServed` and callers ask the replicas.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -56,6 +58,11 @@ from kvdir.directory import validate
 from kvdir.directory.limits import RequestLimits
 from kvdir.directory.lookup import Chain
 from kvdir.v1 import directory_pb2 as pb
+
+log = logging.getLogger("kvdir.mirror")
+
+MAP_FOLLOW_S = 1.0
+"""How often a sharded mirror asks for a newer shard map (the replicas' own bound)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +99,21 @@ class ShardedMirror:
     def route(self, hashes: Sequence[bytes]) -> dict[str, npt.NDArray[np.int64]]:
         """Chain positions by owning group (`Router.positions`)."""
         return self._router.positions(hashes)
+
+    def set_map(self, shard_map: ShardMap) -> bool:
+        """Route by a newer map (a split or a move committed in g0). Only the routing
+        changes: each group's table keeps following its group, and a moved shard is
+        read from its new owner from now on, whose table holds it once the move's
+        import is done (the map names the new owner only after that). A map that
+        adds or removes a group is refused (False): a mirror's streams are fixed,
+        restart it. True otherwise (an older or the same map changes nothing)."""
+        if shard_map.version <= self.map.version:
+            return True  # not newer: nothing to change
+        if {g.group_id for g in shard_map.groups} != set(self.mirrors):
+            return False
+        self.map = shard_map
+        self._router = Router(shard_map)  # swapped whole: a lookup uses one or the other
+        return True
 
     # ------------------------------------------------------------- staleness
 
@@ -232,14 +254,41 @@ def _namespace(ns_key: str) -> pb.Namespace:
 
 
 class ShardedMirrorSync:
-    """One `MirrorSync` per group, each feeding its group's mirror."""
+    """One `MirrorSync` per group, each feeding its group's mirror; with `follow`
+    (the sharded client's `refresh_map`), a thread that moves the mirror to each
+    newer map every `MAP_FOLLOW_S`."""
 
-    def __init__(self, mirror: ShardedMirror, security: ClientSecurity = PLAIN) -> None:
+    def __init__(
+        self,
+        mirror: ShardedMirror,
+        security: ClientSecurity = PLAIN,
+        follow: Callable[[], ShardMap] | None = None,
+    ) -> None:
         self.mirror = mirror
         self.syncs = {
             g.group_id: MirrorSync(mirror.mirrors[g.group_id], g.replicas, security)
             for g in mirror.map.groups
         }
+        self._follow = follow
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._follow_map, name="kvdir-mirror-map", daemon=True
+        )
+        self.map_error = ""
+
+    def _follow_map(self) -> None:
+        assert self._follow is not None
+        while not self._stop.wait(MAP_FOLLOW_S):
+            try:
+                m = self._follow()
+            except DirectoryError as e:
+                self.map_error = f"no shard map from the home group: {e}"
+                continue
+            if not self.mirror.set_map(m):
+                self.map_error = f"shard map v{m.version} changes the groups: restart the mirror"
+                log.warning("mirror keeps map v%d: %s", self.mirror.map.version, self.map_error)
+            else:
+                self.map_error = ""
 
     @property
     def streams(self) -> int:
@@ -249,11 +298,16 @@ class ShardedMirrorSync:
     def start(self) -> ShardedMirrorSync:
         for s in self.syncs.values():
             s.start()
+        if self._follow is not None:
+            self._thread.start()
         return self
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
         for s in self.syncs.values():
             s.stop(timeout_s)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
 
     def __enter__(self) -> ShardedMirrorSync:
         return self.start()

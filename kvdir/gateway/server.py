@@ -478,7 +478,8 @@ def _sharded_lookups(
         log.warning("no shard map at start (%s): lookups over gRPC only", e)
         return rpc
     mirror = ShardedMirror(shard_map, max_staleness_s=cfg.directory_mirror_staleness_ms / 1000)
-    return MirroredLookups(rpc, mirror, ShardedMirrorSync(mirror, security))
+    sync = ShardedMirrorSync(mirror, security, follow=client.refresh_map)
+    return MirroredLookups(rpc, mirror, sync)
 
 
 def _forward_headers(request: web.Request, d: Decision | None) -> dict[str, str]:

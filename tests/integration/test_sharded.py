@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from bench.directory.groups import ShardedCluster
 from kvdir.agent.engine.client import EngineClient
 from kvdir.core.client import DirectoryClient, records
 from kvdir.core.sharded_client import GROUP_DOWN_S, ShardedDirectoryClient
@@ -25,7 +24,7 @@ from kvdir.core.sharded_mirror import ShardedMirror, ShardedMirrorSync
 from kvdir.core.wire import namespace_key
 from kvdir.directory.lookup import Chain
 from kvdir.gateway.lookup import DirectoryLookups
-from kvdir.local import LocalAgent, LocalCluster, wait_for
+from kvdir.local import LocalAgent, LocalCluster, ShardedCluster, wait_for
 from kvdir.v1 import directory_pb2 as pb
 from tests.agent.helpers import NS, POOL_SPEC, chain_of, store_chain
 from tests.integration.helpers import wait_all_serving
@@ -82,7 +81,7 @@ def test_sharded_answers_equal_a_single_group_run(sharded: ShardedCluster, tmp_p
     single.start(WAIT_S)
     try:
         with (
-            ShardedDirectoryClient(sharded.home, timeout_s=10) as sc,
+            ShardedDirectoryClient(sharded.home.grpc_addresses, timeout_s=10) as sc,
             single.client(timeout_s=10) as one,
         ):
             assert sc.shard_map.version == 1 and sc.group_ids() == ["g0", "g1"]
@@ -115,7 +114,7 @@ def test_sharded_answers_equal_a_single_group_run(sharded: ShardedCluster, tmp_p
                 assert [x[:2] for x in mirror.holders(key, Chain.of(chain), 8)] == lengths
             finally:
                 sync.stop()
-            assert asyncio.run(_gateway_prompt(sharded.home, chain)) == dict(lengths)
+            assert asyncio.run(_gateway_prompt(sharded.home.grpc_addresses, chain)) == dict(lengths)
     finally:
         single.stop()
 
@@ -142,7 +141,7 @@ def _agent_config(tmp_path: Path, home: list[str]) -> str:
 def test_agent_publishes_to_every_group_and_a_dead_group_is_a_miss(
     sharded: ShardedCluster, tmp_path: Path
 ) -> None:
-    cfg = _agent_config(tmp_path, sharded.home)
+    cfg = _agent_config(tmp_path, sharded.home.grpc_addresses)
     # LocalAgent always names --directory: an empty one leaves the shard home alone.
     agent = LocalAgent(
         "sharded-agent",
@@ -153,7 +152,7 @@ def test_agent_publishes_to_every_group_and_a_dead_group_is_a_miss(
         extra_args=["--config", cfg],
     )
     agent.launch(WAIT_S)
-    sc = ShardedDirectoryClient(sharded.home, timeout_s=10)
+    sc = ShardedDirectoryClient(sharded.home.grpc_addresses, timeout_s=10)
     mirror, sync = _mirror(sc)
     try:
         engine = EngineClient(agent.engine_socket)
@@ -193,7 +192,9 @@ def test_agent_publishes_to_every_group_and_a_dead_group_is_a_miss(
 
         # Kill every replica of g1: lookups still answer, prefixes end at g1's first block.
         cut = sc.shard_map.positions_by_group(static)["g1"][0]
-        sharded.kill_group("g1")
+        g1 = sharded.clusters["g1"]
+        for rep in g1.replicas:
+            g1.kill(rep, signal.SIGKILL)
         t0 = time.monotonic()
         resp = sc.lookup(NS, static)
         first = time.monotonic() - t0

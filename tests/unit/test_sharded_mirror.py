@@ -16,11 +16,12 @@ import random
 
 import pytest
 
+from kvdir.core.client import records
 from kvdir.core.mirror import Mirror, NotServed
 from kvdir.core.shard_map import Group, ShardMap, even_map
 from kvdir.core.sharded_mirror import ShardedMirror
 from kvdir.directory import answer, codec
-from kvdir.directory.commands import Command, Publish, Remove
+from kvdir.directory.commands import Command, Publish, RegisterNode, Remove
 from kvdir.directory.limits import WatchLimits
 from kvdir.directory.lookup import Chain
 from kvdir.directory.table import Table
@@ -197,3 +198,29 @@ def test_a_stale_group_cuts_chains_and_all_stale_is_not_served() -> None:
     clock.t += 1.0
     with pytest.raises(NotServed):
         mirror.lookup(pb_ns(log.chains[0][0]), log.chains[0][1])
+
+
+def test_a_newer_map_moves_reads_to_the_new_owner() -> None:
+    """A moved shard is read from its new owner's table once the mirror has the map
+    naming it (the old owner's copy, not yet dropped, is no longer read)."""
+    m1 = even_map([Group("g0", ("a:1",)), Group("g1", ("b:1",))], 1)
+    moved = m1.with_move_started(0, "g1").with_move_done(0)
+    clock = Clock()
+    mirror = ShardedMirror(m1, clock=clock)
+    ns = "m\x1f\x1f16\x1f\x1f0/0"
+    hs = [h for h in (bytes([i]) * 8 for i in range(64)) if m1.shard_of(h).group_id == "g0"][:3]
+    for g, addr in (("g0", 1), ("g1", 2)):  # both tables hold the blocks: a move mid-way
+        t = mirror.mirrors[g].table
+        t.apply(RegisterNode("n", "h", "e", ("tcp",), 1, 60_000, 0))
+        t.apply(Publish("n", 1, ns, 1, hs, [addr] * 3, [1] * 3, [1] * 3, [1] * 3))
+        mirror.mirrors[g].ready, mirror.mirrors[g].cluster_id = True, ""
+    for mg in mirror.mirrors.values():
+        mg.on_event(pb.WatchEvent(heartbeat=pb.WatchHeartbeat(), applied_index=0))
+    first = mirror.lookup(pb_ns(ns), hs).matches[0]
+    assert records(first).addresses == [1, 1, 1]  # g0 owns them under m1
+    assert mirror.set_map(moved) and mirror.map.version == moved.version
+    assert records(mirror.lookup(pb_ns(ns), hs).matches[0]).addresses == [2, 2, 2]
+    assert mirror.set_map(m1)  # an older map changes nothing
+    assert mirror.map is moved
+    grown = ShardMap(moved.version + 1, (*moved.groups, Group("g2", ("c:1",))), moved.shards)
+    assert not mirror.set_map(grown)  # new streams needed: refused, the mirror restarts
