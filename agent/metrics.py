@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvdir.core.sharded_mirror import ShardedMirror
 from kvdir.transfer.rdma_support import RdmaErrors
 
 if TYPE_CHECKING:
@@ -73,6 +74,29 @@ class MirrorCollector(Collector):
             ("streams", "Watch streams opened (the first, and each resume)", sync.streams),
         ):
             yield GaugeMetricFamily(f"kvdir_agent_mirror_{name}", doc, value=float(value))
+        if isinstance(m, ShardedMirror):
+            yield from _group_lags(m)
+
+
+def _group_lags(m: ShardedMirror) -> Iterator[Metric]:
+    """kvdir_agent_mirror_group_*{group}: a sharded directory's mirror, per group (the
+    totals above sum the groups' indexes; a stale group's blocks are misses)."""
+    lags = m.group_lags()
+    families = (
+        ("applied_index", "Last log index the group's mirror applied"),
+        ("lag_seconds", "How long the group's oldest unapplied commit has waited"),
+        ("fresh", "1 while the group's blocks are answered in process; 0: misses"),
+    )
+    values: dict[str, list[tuple[str, float]]] = {name: [] for name, _ in families}
+    for gl in lags:
+        values["applied_index"].append((gl.group_id, float(gl.lag.applied_index)))
+        values["lag_seconds"].append((gl.group_id, gl.lag.ms / 1000))
+        values["fresh"].append((gl.group_id, float(gl.lag.fresh)))
+    for name, doc in families:
+        fam = GaugeMetricFamily(f"kvdir_agent_mirror_group_{name}", doc, labels=["group"])
+        for group, value in values[name]:
+            fam.add_metric([group], value)
+        yield fam
 
 
 class AgentMetrics:

@@ -26,7 +26,7 @@ from kvdir.directory.lookup import Chain
 from kvdir.gateway.lookup import DirectoryLookups
 from kvdir.local import LocalAgent, LocalCluster, ShardedCluster, wait_for
 from kvdir.v1 import directory_pb2 as pb
-from tests.agent.helpers import NS, POOL_SPEC, chain_of, store_chain
+from tests.agent.helpers import NS, POOL_SPEC, chain_of, scrape, store_chain
 from tests.integration.helpers import wait_all_serving
 
 WAIT_S = 60.0
@@ -168,6 +168,13 @@ def test_agent_publishes_to_every_group_and_a_dead_group_is_a_miss(
 
         wait_for(lambda: holds(sc, 48), WAIT_S, "the RPC lookup to see the agent's chain")
         wait_for(lambda: mirror.fresh() and holds(mirror, 48), WAIT_S, "the mirror to see it")
+        # The agent's own mirror follows both groups (its per-group series).
+        fresh = [f'kvdir_agent_mirror_group_fresh{{group="{g}"}}' for g in ("g0", "g1")]
+        wait_for(
+            lambda: all(scrape(agent.metrics_address).get(k) == 1.0 for k in fresh),
+            WAIT_S,
+            "the agent's mirror of every group to be fresh",
+        )
         for g in parts:  # registered, and holding its part, in every group
             listed = {n.node_id: n.entries for n in sc.group_client(g).list_nodes().nodes}
             assert listed.get("sharded-agent") == len(parts[g])
