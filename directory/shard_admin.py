@@ -37,7 +37,7 @@ from kvdir.directory.commands import (
     ShardMapSet,
 )
 from kvdir.directory.consensus.port import Consensus, Outcome
-from kvdir.directory.limits import SHARD_MAP_BYTES_MAX
+from kvdir.directory.limits import COMMAND_BYTES_MAX, SHARD_MAP_BYTES_MAX
 from kvdir.directory.shard_view import HOME_GROUP, ShardView
 from kvdir.v1 import directory_pb2 as pb
 
@@ -46,6 +46,8 @@ log = logging.getLogger("kvdir.directory.shards")
 WRITE_TIMEOUT_S = 10.0
 IMPORT_COMMANDS_MAX = 256
 """Commands one ImportShard call may carry (each is one Raft write, in order)."""
+IMPORT_HEAD_BYTES = 16
+"""What an Import adds around the command it carries (codec: header, shard id, length)."""
 
 
 def _abort(
@@ -141,13 +143,9 @@ def _write(consensus: Consensus, cmd: Command, context: grpc.ServicerContext) ->
         context.abort(grpc.StatusCode.ABORTED, f"outcome unknown ({res.reason}); retry")
     assert res.result is not None
     if isinstance(res.result, Rejected):
-        bad_input = res.result.reason is Reject.BAD_BATCH
-        _abort(
-            context,
-            grpc.StatusCode.INVALID_ARGUMENT if bad_input else grpc.StatusCode.FAILED_PRECONDITION,
-            "bad-batch" if bad_input else "bad_move",
-            res.result.message,
-        )
+        if res.result.reason is Reject.BAD_MOVE:  # the group's state, not the request's form
+            _abort(context, grpc.StatusCode.FAILED_PRECONDITION, "bad_move", res.result.message)
+        _abort(context, grpc.StatusCode.INVALID_ARGUMENT, "bad-batch", res.result.message)
     return res.result
 
 
@@ -188,6 +186,8 @@ def import_shard(
         _abort(context, bad, "bad-batch", f"at most {IMPORT_COMMANDS_MAX} commands per call")
     inner: list[Publish | Remove | ClearNode | ExpireNodes] = []
     for blob in request.commands:  # all decoded before any is proposed: all or none is bad
+        if len(blob) > COMMAND_BYTES_MAX - IMPORT_HEAD_BYTES:
+            _abort(context, bad, "bad-batch", f"a command of {len(blob)} bytes is too long")
         try:
             cmd = codec.decode(blob)
         except codec.CodecError as e:

@@ -26,6 +26,8 @@ import pytest
 
 from kvdir.core import shard_wire
 from kvdir.core.shard_map import Shard, ShardMap, shard_key
+from kvdir.directory import codec
+from kvdir.directory.commands import Barrier
 from kvdir.directory.shard_service import FETCH_CALL_TIMEOUT_S
 from kvdir.local import LocalCluster, Replica, ShardedCluster, wait_for
 from kvdir.v1 import directory_pb2 as pb
@@ -242,6 +244,30 @@ def test_set_shard_map_refuses_stale_versions_and_invalid_maps(sharded: ShardedC
     assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert trailers(e)["kvdir-reason"] == "not_home"
     assert current_map(sharded) == m  # nothing refused was committed
+
+
+def test_move_steps_refuse_bad_input_with_a_status(sharded: ShardedCluster) -> None:
+    addr = sharded.clusters["g1"].replicas[0].grpc_address
+
+    def admin(call: Callable[[pb_grpc.DirectoryAdminStub], object]) -> grpc.RpcError:
+        with grpc.insecure_channel(addr) as ch:
+            return refused(lambda: call(pb_grpc.DirectoryAdminStub(ch)))
+
+    e = admin(lambda s: s.MoveShard(pb.MoveShardRequest(shard_id=1), timeout=10))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "no move step" in (e.details() or "")
+    req = pb.MoveShardRequest(step=pb.MOVE_STEP_FREEZE, shard_id=1, lo=5, hi=5)
+    e = admin(lambda s: s.MoveShard(req, timeout=10))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT
+    req = pb.MoveShardRequest(step=pb.MOVE_STEP_IMPORT_DONE, shard_id=77)
+    e = admin(lambda s: s.MoveShard(req, timeout=10))
+    assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert trailers(e)["kvdir-reason"] == "bad_move" and "not being imported" in (e.details() or "")
+    imp = pb.ImportShardRequest(shard_id=77, commands=[b"not a command"])
+    e = admin(lambda s: s.ImportShard(imp, timeout=10))
+    assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a command" in (e.details() or "")
+    imp = pb.ImportShardRequest(shard_id=77, commands=[codec.encode(Barrier())])
+    e = admin(lambda s: s.ImportShard(imp, timeout=10))
+    assert "cannot carry a Barrier" in (e.details() or "")
 
 
 def ctl(*args: str) -> subprocess.CompletedProcess[str]:
