@@ -177,6 +177,8 @@ class DirectoryDaemon:
         watch.attach()
         service.watch = watch
         self._bind_metrics(consensus)
+        view = service.shards.view
+        self.metrics.bind_shards(cfg.group, lambda: view.version)
         server = grpc.server(
             futures.ThreadPoolExecutor(
                 max_workers=cfg.grpc_workers, thread_name_prefix="kvdir-grpc"

@@ -94,6 +94,17 @@ class DirectoryMetrics:
         self.entries = Gauge("kvdir_directory_entries", "(block, holder) records held", registry=r)
         self.nodes = Gauge("kvdir_directory_nodes", "Registered holder nodes", registry=r)
         self.namespaces = Gauge("kvdir_directory_namespaces", "Namespaces seen", registry=r)
+        self.shard_group = Gauge(
+            "kvdir_directory_shard_group",
+            "1, labelled with this replica's shard group (docs/sharding.md)",
+            ["group"],
+            registry=r,
+        )
+        self.shard_map_version = Gauge(
+            "kvdir_directory_shard_map_version",
+            "Version of the shard map this replica routes by (0: none yet, or unsharded)",
+            registry=r,
+        )
 
     def bind(
         self,
@@ -116,3 +127,8 @@ class DirectoryMetrics:
         self.entries.set_function(entries)
         self.nodes.set_function(nodes)
         self.namespaces.set_function(namespaces)
+
+    def bind_shards(self, group: str, map_version: Callable[[], float]) -> None:
+        """Per-group dashboards and alerts select replicas by the `group` label."""
+        self.shard_group.labels(group).set(1)
+        self.shard_map_version.set_function(map_version)

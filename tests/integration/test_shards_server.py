@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -148,6 +149,10 @@ def test_every_replica_routes_by_the_committed_map(sharded: ShardedCluster) -> N
             resp = get_map(r.grpc_address)
             assert resp.group_id == gid and resp.home == (gid == "g0")
             assert shard_wire.from_pb(resp.map) == sharded.initial_map
+            with urllib.request.urlopen(f"http://{r.metrics_address}/metrics", timeout=10) as f:
+                text = f.read().decode()
+            assert f'kvdir_directory_shard_group{{group="{gid}"}} 1.0' in text
+            assert "kvdir_directory_shard_map_version 1.0" in text
 
 
 def test_a_request_to_the_wrong_group_is_refused_with_the_version(
