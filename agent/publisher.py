@@ -291,34 +291,55 @@ class Publisher:
                 part = items[i : i + self.limits.batch_entries_max]
                 hashes = [h for h, _ in part]
                 node, inc = self.node.node_id, self.incarnation
+                try:
+                    self._send_part(ns, tier, store, node, inc, part)
+                except DirectoryError as e:
+                    # A sharded directory: the groups that took their part keep it;
+                    # only the rest is requeued (a dead group stalls only its blocks).
+                    for j in e.committed:
+                        batch.pop((nsk, tier, hashes[j]), None)
+                    raise
                 if store:
-                    self.client.publish(
-                        node,
-                        inc,
-                        ns,
-                        tier,
-                        hashes,
-                        [c.address for _, c in part],
-                        [c.length for _, c in part],
-                        [c.rkey for _, c in part],
-                        [c.generation for _, c in part],
-                    )
                     self.published += len(part)
                 else:
-                    self.client.remove(
-                        node,
-                        inc,
-                        ns,
-                        tier,
-                        hashes,
-                        [c.generation for _, c in part],
-                        [c.address for _, c in part],
-                    )
                     self.removed_count += len(part)
                 # Sent: drop these from the batch so a failure later requeues only the rest.
                 for h in hashes:
                     batch.pop((nsk, tier, h), None)
         self.last_publish_s = time.perf_counter() - t0
+
+    def _send_part(
+        self,
+        ns: pb.Namespace,
+        tier: int,
+        store: bool,
+        node: str,
+        inc: int,
+        part: list[tuple[bytes, _Change]],
+    ) -> None:
+        hashes = [h for h, _ in part]
+        if store:
+            self.client.publish(
+                node,
+                inc,
+                ns,
+                tier,
+                hashes,
+                [c.address for _, c in part],
+                [c.length for _, c in part],
+                [c.rkey for _, c in part],
+                [c.generation for _, c in part],
+            )
+        else:
+            self.client.remove(
+                node,
+                inc,
+                ns,
+                tier,
+                hashes,
+                [c.generation for _, c in part],
+                [c.address for _, c in part],
+            )
 
     def _heartbeat_loop(self) -> None:
         interval = self.node.lease_ms / 3000

@@ -68,6 +68,8 @@ class DirectoryError(Exception):
         self.reason = reason
         self.metadata = metadata or {}
         """The refusal's trailing metadata (a wrong_shard refusal's map version)."""
+        self.committed: tuple[int, ...] = ()
+        """A sharded write: positions of the batch whose parts did commit anyway."""
 
 
 class Unavailable(DirectoryError):

@@ -84,6 +84,14 @@ def chain_hashes(req: pb.LookupRequest) -> list[bytes]:
     return list(req.block_hashes)
 
 
+def _with_committed(e: DirectoryError, committed: list[int]) -> DirectoryError:
+    """A copy of `e` (same class, code, reason, metadata) naming the committed positions."""
+    out = type(e)(e.code, str(e), e.reason, e.metadata)
+    out.committed = tuple(committed)
+    out.__cause__ = e
+    return out
+
+
 def _answer(got: dict[int, pb.LookupResponse] | None, i: int) -> pb.LookupResponse | None:
     return None if got is None else got[i]
 
@@ -312,6 +320,7 @@ class ShardedDirectoryClient:
         deadline = self._deadline(timeout_s)
         pending = list(range(len(hashes)))
         done: list[T] = []
+        committed: list[int] = []
         for _ in range(REROUTE_ATTEMPTS_MAX):
             m, md = self._map, self._metadata()
             parts = {
@@ -334,8 +343,14 @@ class ShardedDirectoryClient:
                     errors.append(r)
                 else:
                     done.append(r)
+                    committed += parts[g]
             if errors:
-                raise worst(errors)
+                e = worst(errors)
+                if isinstance(e, DirectoryError):
+                    # A fresh error per call: the parts that did commit (the caller
+                    # need not send them again; resending would be harmless).
+                    e = _with_committed(e, sorted(committed))
+                raise e
             if not wrong:
                 return done
             self.reroutes += 1

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvdir.agent.engine.client import EngineClient
-from kvdir.core.client import DirectoryClient, records
+from kvdir.core.client import DirectoryClient, DirectoryError, records
 from kvdir.core.sharded_client import GROUP_DOWN_S, ShardedDirectoryClient
 from kvdir.core.sharded_mirror import ShardedMirror, ShardedMirrorSync
 from kvdir.core.wire import namespace_key
@@ -217,6 +217,20 @@ def test_agent_publishes_to_every_group_and_a_dead_group_is_a_miss(
             assert records(got["static"]).addresses == list(range(1, cut + 1))
         # The first lookup waits out the group's deadline once; then it is known down.
         assert first < 1.0 + 2.0 and second < GROUP_DOWN_S / 2, (first, second)
+
+        # A write spanning the dead group fails, naming the part g0 committed.
+        fresh_chain = chain_of(33, 32)
+        k = len(fresh_chain)
+        short = ShardedDirectoryClient(sharded.home.grpc_addresses, timeout_s=2)
+        try:
+            with pytest.raises(DirectoryError) as failed:
+                short.publish(
+                    "static", 1, NS, pb.TIER_GPU, fresh_chain, range(k), [1] * k, [1] * k, [1] * k
+                )
+        finally:
+            short.close()
+        g0_part = short.shard_map.positions_by_group(fresh_chain)["g0"]
+        assert list(failed.value.committed) == g0_part
 
         def mirror_cut() -> bool:
             got = {m.node_id: m.prefix_blocks for m in mirror.lookup(NS, static).matches}

@@ -447,3 +447,18 @@ def test_heartbeats_renew_the_lease_and_recover_an_expired_session() -> None:
         wait_for(lambda: pub.connected, 10, "the session to be back")
     finally:
         pub.stop(deregister=False)
+
+
+def test_parts_a_sharded_directory_committed_are_not_requeued() -> None:
+    """A sharded client's failed publish names the positions whose groups committed
+    their part: only the others go back to the queue."""
+    pub, fake = make()
+    store(pub, [1, 2, 3, 4], gen=1)
+    batch = pub._take()
+    sent = [k[2] for k in batch]
+    err = unavailable()
+    err.committed = (0, 2)  # the groups of the 1st and 3rd blocks took theirs
+    fake.fail("publish", err)
+    with pytest.raises(DirectoryError):
+        pub._send(batch)
+    assert {k[2] for k in batch} == {sent[1], sent[3]}
