@@ -10,8 +10,10 @@ command (docs/sharding.md, "Re-sharding online"), every step bounded by one dead
 5. g0's map: SHARD owned by GROUP.
 6. The source drops the shard, a 256th of its table per command.
 
-A failure stops the move where it is and says which step failed (resuming or
-undoing a half-done move is not automated yet; docs/sharding.md).
+A step whose outcome was unknown (a leader change) is retried; if the retry is
+refused because the first try did apply, the move goes on. Any other failure
+stops the move where it is and says which step failed (resuming or undoing a
+half-done move is not automated yet; docs/sharding.md).
 """
 
 from __future__ import annotations
@@ -52,10 +54,19 @@ class Mover:
             raise OpsError("the move ran out of time (--timeout); it stopped where it was")
         return left
 
-    def on_group(self, addrs: tuple[str, ...], what: str, call: Callable[[grpc.Channel], T]) -> T:
+    def on_group(
+        self,
+        addrs: tuple[str, ...],
+        what: str,
+        call: Callable[[grpc.Channel], T],
+        settled: Callable[[], T | None] = lambda: None,
+    ) -> T:
         """`call` on the group's replicas in turn until one answers; UNAVAILABLE and
-        an unknown outcome are retried (every step is idempotent), anything else stops."""
+        an unknown outcome (ABORTED) are retried, anything else stops. A retry that
+        is refused after an unknown outcome asks `settled` whether the first try
+        did apply (its answer, then) before it gives up."""
         last = "no replica answered"
+        unknown = False
         while True:
             for addr in addrs:
                 self.left()
@@ -64,8 +75,12 @@ class Mover:
                         return call(ch)
                     except grpc.RpcError as e:
                         last = f"{addr}: {e.details() or e.code().name}"
-                        retry = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ABORTED)
-                        if e.code() not in retry:
+                        if e.code() == grpc.StatusCode.ABORTED:
+                            unknown = True
+                        elif e.code() != grpc.StatusCode.UNAVAILABLE:
+                            done = settled() if unknown else None
+                            if done is not None:
+                                return done
                             raise OpsError(f"{what}: {last}") from e
             if self.deadline - time.monotonic() < RETRY_PAUSE_S:
                 raise OpsError(f"{what}: {last}")
@@ -82,18 +97,29 @@ class Mover:
             part=part,
         )
         name = pb.MoveStep.Name(step)  # type: ignore[arg-type]
+        # ImportDone and a drop part are refused when asked again once applied: after
+        # an unknown outcome that refusal means the first try did it.
+        again_refused = step in (pb.MOVE_STEP_IMPORT_DONE, pb.MOVE_STEP_DROP)
         return self.on_group(
             addrs,
             name,
             lambda ch: pb_grpc.DirectoryAdminStub(ch).MoveShard(req, timeout=self.left()),
+            lambda: pb.MoveShardResponse() if again_refused else None,
         )
 
-    def set_map(self, home: tuple[str, ...], old: ShardMap, new: ShardMap) -> None:
+    def set_map(
+        self,
+        home: tuple[str, ...],
+        old: ShardMap,
+        new: ShardMap,
+        fetch: Callable[[], ShardMap],
+    ) -> None:
         req = pb.SetShardMapRequest(expected_version=old.version, map=shard_wire.to_pb(new))
         self.on_group(
             home,
             f"shard map v{new.version}",
             lambda ch: pb_grpc.DirectoryAdminStub(ch).SetShardMap(req, timeout=self.left()),
+            lambda: pb.SetShardMapResponse(map=req.map) if fetch() == new else None,
         )
         self.say(f"shard map v{new.version} committed")
 
@@ -176,12 +202,12 @@ def move(
     s = next(x for x in m.shards if x.shard_id == shard_id)
     shard = Range(s.shard_id, s.lo, s.hi)
     source, target = m.group(s.group_id).replicas, m.group(to).replicas
-    mover.set_map(home, m, started)
+    mover.set_map(home, m, started, fetch)
     mover.step(target, pb.MOVE_STEP_BEGIN_IMPORT, shard)
     mover.import_until_frozen(source, target, shard)
     mover.step(target, pb.MOVE_STEP_IMPORT_DONE, shard)
     done = started.with_move_done(shard_id)
-    mover.set_map(home, started, done)
+    mover.set_map(home, started, done, fetch)
     removed = sum(mover.step(source, pb.MOVE_STEP_DROP, shard, p).removed for p in range(SHARDS))
     say(f"source dropped {removed} entries of shard {shard_id}")
     return done
