@@ -387,6 +387,19 @@ def test_a_move_under_publishes_loses_no_acknowledged_write(sharded: ShardedClus
     assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
+def test_a_caller_with_a_newer_map_makes_a_replica_refresh_at_once(
+    sharded: ShardedCluster,
+) -> None:
+    before = current_map(sharded)
+    s = before.shards[-1]
+    addr = sharded.home.replicas[0].grpc_address
+    set_map(addr, before.version, shard_wire.to_pb(before.with_split(s.shard_id, 500)))
+    # Asked at once (the periodic refresh is up to 1 s away): each replica fetches first.
+    for r in sharded.clusters["g1"].replicas:
+        resp = get_map(r.grpc_address, min_version=before.version + 1)
+        assert resp.map.version == before.version + 1
+
+
 def restart_home(sharded: ShardedCluster) -> None:
     """Kill every g0 replica and start them again. Meanwhile the other group goes
     on routing by the map it has: the home group is needed for changes only."""
