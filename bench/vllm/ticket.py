@@ -183,7 +183,8 @@ def markdown(h: dict[str, Any], res: dict[str, Any]) -> str:
         f"{res['reps']} reps per row after one warm-up round, the two forms alternating "
         "first; medians. `ticket`: Fetch on the Lookup's load ticket (no directory lookup "
         "in the agent); `chain`: Fetch by chain (the agent looks the chain up again: in its "
-        "mirror, or, for the reader without one, a replica RPC). Every fetch whole and byte-identical. Load average at the end: "
+        "mirror, or, for the reader without one, a replica RPC). Every fetch whole and "
+        "byte-identical. Load average at the end: "
         + " / ".join(f"{x:.2f}" for x in h["loadavg_end"])
         + " (a loaded host: figures are for comparing the two forms side by side)."
     )
