@@ -415,6 +415,7 @@ class Replica(DurableSyncObj):
         with self._snap_lock:
             self._snap_state = SERIALIZER_STATE.SERIALIZING
         entry_last, entry_prev, cluster = data
+        cluster = self.membership_at(entry_last[1], cluster)  # not changes past the dump
         frozen = snapshot.freeze(self.table)  # O(nodes): the copy is the writer's
         raft = {
             "cluster": sorted(str(n.address) for n in cluster),

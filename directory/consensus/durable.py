@@ -41,6 +41,7 @@ from typing import Any
 
 from pysyncobj import SyncObj
 from pysyncobj.monotonic import monotonic  # pysyncobj's clock: its deadlines are read on it
+from pysyncobj.node import Node
 
 from kvdir.directory.consensus.acks import AckGate, Reply
 from kvdir.directory.consensus.pysyncobj_journal import (
@@ -191,6 +192,34 @@ class DurableSyncObj(SyncObj):  # type: ignore[misc]
             request = self._SyncObj__parseChangeClusterRequest(command)
             if request is not None:
                 self._SyncObj__doChangeCluster(request)
+
+    def membership_at(self, index: int, members: set[Any]) -> set[Any]:
+        """The membership `members` (today's) had at log entry `index`: the changes
+        in the log past it undone, newest first. Raft thread.
+
+        pysyncobj makes a change when its entry is appended and stores today's
+        membership in a dump anchored at the applied index; a change past the
+        anchor, not yet committed, may be cut later, and a dump that kept it
+        would bring it back at every restart or install (seed 8291: a member
+        removed by a cut entry went on voting elsewhere, two leaders in a term).
+        Changes naming this replica are skipped, as pysyncobj skips them.
+        """
+        nodes = set(members)
+        later = [e for e in self.kvdir_journal.log.entries if e[1] > index]
+        for command, _, _ in reversed(later):
+            request = self._SyncObj__parseChangeClusterRequest(command)
+            if request is None or request[0] not in ("add", "rem"):
+                continue
+            node = request[2] if len(request) >= 3 else request[1]
+            if not isinstance(node, Node):
+                node = self._SyncObj__nodeClass(node)
+            if node == self._SyncObj__selfNode:
+                continue
+            if request[0] == "add":
+                nodes.discard(node)
+            else:
+                nodes.add(node)
+        return nodes
 
     def _SyncObj__onMessageReceived(self, node: Any, message: Any) -> None:  # noqa: N802
         """A snapshot chunk from the leader is handled under `_dump_lock`: its last
