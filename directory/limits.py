@@ -123,6 +123,12 @@ class WatchLimits:
     """Watch starts within this long of a capture share it (and its one copy of the
     columns): a fleet of mirrors restarting together costs one capture. Far shorter
     than the history lasts under load, so the shared capture's index is still covered."""
+    leaderless_cut_ms: int = 1_000
+    """A replica that has had no leader for this long (counted in idle heartbeats)
+    cuts its watchers off (`no-leader`): one removed from the cluster but left
+    running, or cut off from its majority, sends heartbeats at an index the others
+    passed long ago, and its mirrors would stay there looking fresh. Longer than an
+    election (150-300 ms), so a failover alone cuts no one off."""
 
 
 # One command always fits one event, and one event one gRPC message.

@@ -215,8 +215,31 @@ class WatchService:
             ev.entries.indexes.extend(e.index for e in item.entries)
             ev.entries.commands.extend(e.blob for e in item.entries)
         else:
+            cut = self._leaderless(w)
+            if cut is not None:
+                return cut
             ev.heartbeat.SetInParent()
         return ev
+
+    def _leaderless(self, w: Watcher) -> CutOff | None:
+        """At an idle heartbeat: cut `w` off once this replica has had no leader for
+        `leaderless_cut_ms`. A replica removed but left running, or in a minority, has
+        no leader and applies nothing more; its heartbeats alone would keep a mirror
+        on it, fresh by every measure it has, while the cluster moves on. Counted in
+        heartbeats, not read from a clock: the simulator runs this on simulated time."""
+        if self.consensus.status().leader is not None:
+            w.leaderless = 0
+            return None
+        w.leaderless += 1
+        lim = self.limits
+        if w.leaderless * lim.heartbeat_ms < lim.leaderless_cut_ms:
+            return None
+        return self.hub.cut_off(
+            w,
+            "no-leader",
+            f"this replica has had no leader for {lim.leaderless_cut_ms} ms "
+            "(it left the cluster or lost its majority); follow another replica",
+        )
 
 
 def cut_off_status(c: CutOff) -> str:

@@ -56,7 +56,7 @@ class Idle:
 @dataclass(frozen=True, slots=True)
 class CutOff:
     reason: str
-    """Stable token: watcher-too-slow | snapshot-installed | replica-stopping."""
+    """Stable token: watcher-too-slow | snapshot-installed | replica-stopping | no-leader."""
     message: str
     resume_from: int
     """The last index this watcher was handed: resume from it."""
@@ -84,6 +84,8 @@ class Watcher:
     cut: CutOff | None = None
     on_cut: Callable[[], None] | None = None
     """Called (under the hub's lock: keep it short) when the watcher is cut off."""
+    leaderless: int = 0
+    """Heartbeats in a row sent while the replica had no leader (directory/watch.py)."""
 
     def wants(self, e: Entry) -> bool:
         return self.namespaces is None or e.namespace is None or e.namespace in self.namespaces
@@ -172,6 +174,13 @@ class WatchHub:
                 f"the watcher fell more than {lim.buffer_entries_max} commands or "
                 f"{lim.buffer_bytes_max} bytes behind",
             )
+
+    def cut_off(self, w: Watcher, reason: str, why: str) -> CutOff:
+        """Cut `w` off now (the stream saw a reason the hub cannot); its CutOff."""
+        with self._cond:
+            self._cut(w, reason, why)
+            assert w.cut is not None
+            return w.cut
 
     def _cut(self, w: Watcher, reason: str, why: str) -> None:
         if w.cut is not None:

@@ -69,6 +69,11 @@ REGRESSION_SEEDS = {
         "a dump kept a membership change past its anchor that was cut later: after a "
         "restart a replica left out a member that still voted, two leaders in term 12"
     ),
+    (8019, 2000): (
+        "a removed replica left running (no leader, applying nothing) kept the mirror on "
+        "it with heartbeats, 68 entries behind the healed cluster (now cut off: no-leader)"
+    ),
+    (6868, 2000): "the same, 16 entries behind",
 }
 """(seed, steps) that failed before a fix of issue 29 and pass after: the first five on
 f4a7c8a's directory/ (before bf97ea0 and be749fc; all 100 CI seeds' results are in
