@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -49,6 +50,8 @@ log = logging.getLogger("kvdir.directory.raft")
 _KEEPALIVE = {"type": "kvdir_keepalive"}
 _FOLLOWER = 0  # pysyncobj's _RAFT_STATE.FOLLOWER
 _LEADER = 2  # pysyncobj's _RAFT_STATE.LEADER
+REQUEST_ID_BITS = 62
+"""Forwarded commands are numbered from a random start this wide (see `Replica.__init__`)."""
 
 Listener = Callable[[int, Command, Result], None]
 
@@ -130,6 +133,7 @@ class Replica(DurableSyncObj):
 
     _SyncObj__recvTransmission: Any  # pysyncobj's buffer of a big entry's chunks
     _SyncObj__raftCommitIndex: int
+    _SyncObj__commandsLocalCounter: int  # the last forwarded command's request id
 
     def __init__(
         self,
@@ -179,6 +183,13 @@ class Replica(DurableSyncObj):
         an append proves (`AppendPlan.proven_end`), or an installed snapshot's index."""
         transport = with_framing(hooks.transport_class)
         super().__init__(self_address, peer_addresses, conf, transportClass=transport)
+        # pysyncobj numbers the commands a follower forwards from 0 in every process and
+        # matches answers by number alone. A peer still holding a forwarded command of
+        # this replica's previous run (queued while it had no leader) answers it later,
+        # and that answer was taken for this run's command of the same number: a client
+        # acknowledged with another entry's result, or told NOT_APPLIED of a write that
+        # then committed (seeds 7205, 6296). A random start keeps runs apart.
+        self._SyncObj__commandsLocalCounter = secrets.randbits(REQUEST_ID_BITS)
         self._SyncObj__raftElectionDeadline = raft_clock() + tuning.startup_grace_s
         self._joining = join
         """Never campaign before a leader has been heard from (a replica being added)."""

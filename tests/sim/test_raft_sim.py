@@ -74,6 +74,15 @@ REGRESSION_SEEDS = {
         "it with heartbeats, 68 entries behind the healed cluster (now cut off: no-leader)"
     ),
     (6868, 2000): "the same, 16 entries behind",
+    (7205, 2000): (
+        "a follower numbered its forwarded commands from 0 in every run: a peer's answer to "
+        "its previous run's command took this run's (a Remove acknowledged with a Publish's "
+        "result)"
+    ),
+    (6296, 2000): (
+        "the same: a NOT_LEADER meant for the previous run's command failed a write that "
+        "then committed"
+    ),
 }
 """(seed, steps) that failed before a fix of issue 29 and pass after: the first five on
 f4a7c8a's directory/ (before bf97ea0 and be749fc; all 100 CI seeds' results are in
