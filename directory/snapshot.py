@@ -423,6 +423,33 @@ def read(path: str) -> tuple[Table, dict[str, Any], list[RaftEntry]]:
         return load(f, path)
 
 
+def index_of(path: str) -> int:
+    """The last log index the snapshot at `path` covers, without loading its table.
+
+    A follower decides with it whether a snapshot the leader sent is older
+    than its own dump before it replaces that dump (`DurableSyncObj`).
+    """
+    with open(path, "rb") as f:
+        if f.read(len(MAGIC)) != MAGIC:
+            raise SnapshotError(f"{path} is not a kvdir snapshot")
+        (hlen,) = struct.unpack("<I", _read_exact(f, 4))
+        header = json.loads(_read_exact(f, hlen))
+        f.seek(
+            sum(header["array_bytes"])
+            + header["slots"]
+            + header["keys_bytes"]
+            + 4 * sum(header["head_counts"]),
+            1,
+        )
+        last = 0
+        for _ in range(header["raft_entries"]):
+            (n,) = struct.unpack("<I", _read_exact(f, 4))
+            f.seek(n, 1)
+            idx, _term = struct.unpack("<QQ", _read_exact(f, 16))
+            last = max(last, int(idx))
+        return last
+
+
 def load(f: BinaryIO, name: str = "snapshot") -> tuple[Table, dict[str, Any], list[RaftEntry]]:
     """Load a snapshot from an open file (see `write_to`)."""
     if f.read(len(MAGIC)) != MAGIC:
@@ -503,6 +530,7 @@ __all__ = [
     "capture",
     "drop",
     "freeze",
+    "index_of",
     "load",
     "read",
     "restrict",

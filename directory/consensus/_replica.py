@@ -476,6 +476,9 @@ class Replica(DurableSyncObj):
                 self._snap_state = SERIALIZER_STATE.NOT_SERIALIZING
             return int(state)
 
+    def snapshot_index(self, path: str) -> int:
+        return snapshot.index_of(path)
+
     def _deserialize(self, path: str) -> tuple[Any, Any, Any]:
         """Load a dump (at start, or one the leader sent): returns pysyncobj's metadata."""
         table, raft, entries = snapshot.read(path)

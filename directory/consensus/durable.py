@@ -226,9 +226,66 @@ class DurableSyncObj(SyncObj):  # type: ignore[misc]
         chunk renames the dump into place and loads it (`publish_dump`)."""
         if isinstance(message, dict) and message.get("serialized") is not None:
             with self._dump_lock:
-                super()._SyncObj__onMessageReceived(node, message)
+                self._snapshot_chunk(node, message)
         else:
             super()._SyncObj__onMessageReceived(node, message)
+
+    def _snapshot_chunk(self, node: Any, message: dict[str, Any]) -> None:
+        """The last chunk installs the snapshot only if it is newer than our dump.
+
+        pysyncobj renames a received snapshot over the dump in place before
+        anything can look at it. One no newer than ours (a duplicate, or a
+        leader's resend that crossed our own compaction) would pair an older
+        table with a journal already trimmed past it, and a restart would then
+        drop the whole journal (seed 2797: a follower lost 20 committed
+        entries and voted a stale leader in). So, for this message only, the
+        serializer's last step reads the received file's index first and
+        deletes a stale one; its answer then claims our commit index, which
+        every leader's log holds.
+        """
+        serializer = self._SyncObj__serializer
+        finish = serializer.setTransmissionData
+        stale: list[int] = []
+
+        def receive(chunk: Any) -> bool:
+            data, first, last = chunk
+            if not last:
+                return bool(finish(chunk))
+            finish((data, first, False))  # written, the file left open
+            incoming = serializer._Serializer__incomingTransmissionFile
+            if incoming is None:
+                return False  # pysyncobj dropped this transmission
+            staged = f"{serializer._Serializer__fileName}.1.tmp"  # pysyncobj's name for it
+            incoming.flush()
+            try:
+                index = self.snapshot_index(staged)
+            except Exception:  # a damaged transfer: dropped, the leader sends it again
+                log.exception("snapshot install: the received file is unreadable")
+                index = -1
+            if index > self.dump_index:
+                return bool(finish((b"", False, True)))
+            incoming.close()
+            serializer._Serializer__incomingTransmissionFile = None
+            os.unlink(staged)
+            stale.append(index)
+            return False
+
+        serializer.setTransmissionData = receive
+        try:
+            super()._SyncObj__onMessageReceived(node, message)
+        finally:
+            del serializer.setTransmissionData  # the class's method again
+        if stale and stale[0] >= 0:
+            log.info(
+                "snapshot install: ours is as new, the leader's is dropped",
+                extra={"snapshot_index": stale[0], "in_place": self.dump_index},
+            )
+            commit = int(self._SyncObj__raftCommitIndex)
+            self._SyncObj__sendNextNodeIdx(node, nextNodeIdx=commit + 1, success=True)
+
+    def snapshot_index(self, path: str) -> int:
+        """The last entry the snapshot file at `path` covers (the adapter knows its format)."""
+        raise NotImplementedError
 
     def publish_dump(self, staged: str, index: int) -> bool:
         """Rename a compaction's dump (durable at `staged`) into place, unless older.

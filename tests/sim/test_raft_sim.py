@@ -69,6 +69,10 @@ REGRESSION_SEEDS = {
         "a dump kept a membership change past its anchor that was cut later: after a "
         "restart a replica left out a member that still voted, two leaders in term 12"
     ),
+    (2797, 2000): (
+        "a duplicate snapshot from the leader, older than the follower's own dump, replaced "
+        "it; at the restart the journal was dropped and a stale leader overwrote committed entries"
+    ),
     (8019, 2000): (
         "a removed replica left running (no leader, applying nothing) kept the mirror on "
         "it with heartbeats, 68 entries behind the healed cluster (now cut off: no-leader)"
