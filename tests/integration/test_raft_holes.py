@@ -213,6 +213,41 @@ def test_a_snapshot_install_keeps_the_log_after_it_but_commits_only_the_snapshot
         assert r.dump_index == 4
 
 
+def send_snapshot(r: Replica, raft: RaftThread, path: Path, anchors: list[int]) -> None:
+    """The leader's snapshot (an empty table) with these anchors, in pysyncobj's chunks."""
+    meta = {"cluster": sorted([r.selfNode.address, *(n.address for n in r.otherNodes)])}
+    snapshot.write(snapshot.capture(Table()), str(path), meta, [(NO_OP, i, 1) for i in anchors])
+    data = path.read_bytes()
+    chunks = [data[i : i + 4096] for i in range(0, len(data), 4096)] + [b""]
+    for k, chunk in enumerate(chunks):
+        serialized = (chunk, k == 0, k == len(chunks) - 1)
+        deliver(
+            r,
+            raft,
+            {"type": "append_entries", "term": 2, "commit_index": 6, "serialized": serialized},
+        )
+
+
+def test_a_snapshot_no_newer_than_the_dump_is_dropped(tmp_path: Path) -> None:
+    """Found by the simulator (seed 2797): a duplicate install, older than the dump the
+    follower had compacted to since, was renamed over it; the restart then dropped the
+    journal (trimmed past the older snapshot) and committed entries were lost."""
+    with follower(tmp_path / "data") as (r, raft, sent):
+        deliver(r, raft, append(1, (1, 0), [(2, 1), (3, 1), (4, 1), (5, 1), (6, 1)], commit=1))
+        send_snapshot(r, raft, tmp_path / "at-4.bin", [4, 3])
+        deliver(r, raft, append(2, (6, 1), [], commit=6))
+        assert r.dump_index == 4 and r.raftCommitIndex == 6
+        dump = Path(r.dump_path)
+        ours = dump.read_bytes()
+        for anchors in ([4, 3], [3, 2]):  # the same snapshot again, an older one
+            send_snapshot(r, raft, tmp_path / f"at-{anchors[0]}.bin", anchors)
+            assert dump.read_bytes() == ours and r.dump_index == 4
+            assert log_of(r, raft) == [(3, 1), (4, 1), (5, 1), (6, 1)]
+            assert r.raftCommitIndex == 6 and r.raftLastApplied == 6
+            assert sent[-1]["success"] and sent[-1]["next_node_idx"] == 7
+        assert not Path(f"{r.dump_path}.1.tmp").exists()
+
+
 def test_a_vote_answer_delivered_twice_counts_once(tmp_path: Path) -> None:
     """pysyncobj counted answers, not voters (found by the seeded simulator)."""
     me, *peers = (f"127.0.0.1:{p}" for p in free_ports(5))
