@@ -22,7 +22,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+import pysyncobj.pickle as raft_pickle
 import pytest
+from pysyncobj.node import TCPNode
 
 from kvdir.directory import snapshot
 from kvdir.directory.consensus._replica import Replica
@@ -37,6 +39,7 @@ from tests.unit.helpers import chain, publish_cmd, register
 pytestmark = pytest.mark.integration
 
 T = TypeVar("T")
+MEMBERSHIP = b"\x02"  # pysyncobj's membership change entry: pickled [kind, id, node]
 NO_OP = b"\x01"  # pysyncobj's no-op entry: applying it touches nothing
 WAIT_S = 10.0
 
@@ -246,6 +249,26 @@ def test_a_snapshot_no_newer_than_the_dump_is_dropped(tmp_path: Path) -> None:
             assert r.raftCommitIndex == 6 and r.raftLastApplied == 6
             assert sent[-1]["success"] and sent[-1]["next_node_idx"] == 7
         assert not Path(f"{r.dump_path}.1.tmp").exists()
+
+
+def test_a_dump_keeps_the_membership_at_its_anchor(tmp_path: Path) -> None:
+    """Found by the simulator (seed 8291): pysyncobj stored the membership in memory
+    in a dump anchored before an uncommitted change; the change was cut later but the
+    dump brought it back at every restart, and the member it dropped voted elsewhere."""
+    with follower(tmp_path / "data") as (r, raft, _):
+        other = f"127.0.0.1:{free_ports(1)[0]}"
+        change = MEMBERSHIP + raft_pickle.dumps(["add", other, TCPNode(other)])
+        deliver(r, raft, append(1, (1, 0), [(2, 1), (3, 1)], commit=3))
+        message = append(1, (3, 1), [], commit=3)
+        message["entries"] = [(change, 4, 1)]
+        deliver(r, raft, message)
+        assert other in {n.address for n in r.otherNodes}  # made when appended
+        done = r.compactions
+        anchors = (r.entry_at(3), r.entry_at(2), {r.selfNode, *r.otherNodes})
+        raft.run(lambda: r._serialize("unused", anchors))  # a compaction at applied 3
+        wait_for(lambda: r.compactions > done, WAIT_S, "the compaction writer")
+        _, meta, _ = snapshot.read(r.dump_path)
+        assert other not in meta["cluster"] and r.selfNode.address in meta["cluster"]
 
 
 def test_a_vote_answer_delivered_twice_counts_once(tmp_path: Path) -> None:
