@@ -80,6 +80,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(publish, CPU and bytes per entry, mirror and RPC lookups, leader kills; "
         "bench/directory/shards.py)",
     )
+    p.add_argument(
+        "--evidence",
+        action="store_true",
+        help="with --shards 4: issue 31's evidence run (publishers through the sharded "
+        "client, leader kills, a split and a move while they publish, every acknowledged "
+        "entry looked up, replica and mirror digests; default --entries 8000000; "
+        "bench/directory/evidence.py)",
+    )
     add_quick_and_out_dir(p, "directory")
     p.add_argument(
         "--dir",
@@ -108,6 +116,7 @@ class Config:
     data_dir: str | None
     seed: int
     shards: tuple[int, ...] = ()
+    evidence: bool = False
 
     @property
     def tuning(self) -> RaftTuning:
@@ -136,7 +145,7 @@ def resolve(args: argparse.Namespace) -> Config:
 
     out_dir = Path(args.out_dir) if args.out_dir else report.REPO_ROOT / "bench" / "results"
     cfg = Config(
-        entries=pick(args.entries, 1_000_000, 60_000),
+        entries=pick(args.entries, 8_000_000 if args.evidence else 1_000_000, 60_000),
         memory_entries=pick(args.memory_entries, 10_000_000, 300_000),
         kills=pick(args.kills, 5, 2),
         duration_s=pick(args.duration, 10.0, 2.0),
@@ -153,6 +162,7 @@ def resolve(args: argparse.Namespace) -> Config:
         data_dir=args.dir,
         seed=args.seed,
         shards=tuple(args.shards or ()),
+        evidence=bool(args.evidence),
     )
     checks = [
         (cfg.entries >= 1000, "--entries must be >= 1000"),
@@ -164,6 +174,7 @@ def resolve(args: argparse.Namespace) -> Config:
         (1 <= cfg.publish_batch <= 8192, "--publish-batch must be 1..8192"),
         (1 <= cfg.publish_inflight <= 256, "--publish-inflight must be 1..256"),
         (all(1 <= n <= 16 for n in cfg.shards), "--shards sizes must be 1..16"),
+        (not cfg.evidence or cfg.shards == (4,), "--evidence needs --shards 4"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -17,6 +17,7 @@ from bench.directory import (
     batch,
     compaction,
     durability,
+    evidence,
     failover,
     logs,
     lookups,
@@ -135,7 +136,7 @@ def config_record(cfg: Config) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> int:
     cfg = resolve(args)
     if cfg.shards:
-        return shards.run(cfg)
+        return evidence.run(cfg) if cfg.evidence else shards.run(cfg)
     started = dt.datetime.now(dt.UTC)
     t0 = time.monotonic()
     results: dict[str, Any] = {}
