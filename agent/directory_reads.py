@@ -32,7 +32,7 @@ from typing import Protocol
 
 from kvdir.agent.config import AgentConfig
 from kvdir.agent.holders import Holder
-from kvdir.core.mirror import Lag, Mirror, MirroredDirectory
+from kvdir.core.mirror import ChainLookups, Lag, Mirror, MirroredDirectory
 from kvdir.core.mirror_sync import MirrorSync
 from kvdir.core.security import ClientSecurity
 from kvdir.core.sharded_client import AnyDirectoryClient, ShardedDirectoryClient
@@ -57,7 +57,7 @@ class DirectoryReads(Protocol):
     ) -> pb.LookupResponse: ...
 
 
-class MirrorReads:
+class MirrorReads(ChainLookups):
     """`MirroredDirectory` with its stream, and counts of who answered."""
 
     def __init__(
@@ -90,19 +90,11 @@ class MirrorReads:
     def stop(self) -> None:
         self.sync.stop()
 
-    def lookup(
-        self,
-        ns: pb.Namespace,
-        chain: Sequence[bytes],
-        max_nodes: int = 0,
-        exclude_node: str = "",
-        *,
-        omit_records: bool = False,
-    ) -> pb.LookupResponse:
-        """As `DirectoryClient.lookup` (local read); `read.replica_id` is
+    def lookup_message(self, req: pb.LookupRequest) -> pb.LookupResponse:
+        """As `DirectoryClient.lookup_message` (local read); `read.replica_id` is
         "mirror:<replica>" when the mirror answered."""
         self.lookups += 1  # counts only: a lost update under threads skews a metric
-        return self._reads.lookup(ns, chain, max_nodes, exclude_node, omit_records)
+        return self._reads.lookup_message(req)
 
     def holders(
         self, ns: pb.Namespace, chain: Sequence[bytes], max_nodes: int, exclude_node: str = ""

@@ -151,7 +151,123 @@ def namespace(
     )
 
 
-class DirectoryClient:
+class DirectoryRequests:
+    """What both clients (one group's, the sharded one) build the same way: each
+    write's request, handed to the client's `_write` (one group's: its retrying
+    `call`; the sharded one: split by group or sent to every group, answers
+    merged), and a lookup by chain, handed to its `_lookup`."""
+
+    def _write(self, method: str, request: Any) -> Any:
+        raise NotImplementedError
+
+    def _lookup(
+        self, req: pb.LookupRequest, chain: Sequence[bytes], address: str | None
+    ) -> pb.LookupResponse:
+        raise NotImplementedError
+
+    def lookup(
+        self,
+        ns: pb.Namespace,
+        chain: Sequence[bytes],
+        max_nodes: int = 0,
+        exclude_node: str = "",
+        linearizable: bool = False,
+        address: str | None = None,
+        omit_records: bool = False,
+    ) -> pb.LookupResponse:
+        req = lookup_request(ns, chain, max_nodes, exclude_node, omit_records)
+        req.linearizable = linearizable
+        return self._lookup(req, chain, address)
+
+    def register_node(
+        self,
+        node_id: str,
+        host: str,
+        incarnation: int,
+        endpoint: str = "",
+        transports: Sequence[str] = (),
+        lease_ms: int = 0,
+    ) -> pb.RegisterNodeResponse:
+        req = pb.RegisterNodeRequest(
+            node_id=node_id,
+            host=host,
+            agent_endpoint=endpoint,
+            transports=transports,
+            incarnation=incarnation,
+            lease_ms=lease_ms,
+        )
+        resp: pb.RegisterNodeResponse = self._write("RegisterNode", req)
+        return resp
+
+    def heartbeat(self, node_id: str, incarnation: int) -> pb.HeartbeatResponse:
+        resp: pb.HeartbeatResponse = self._write(
+            "Heartbeat", pb.HeartbeatRequest(node_id=node_id, incarnation=incarnation)
+        )
+        return resp
+
+    def publish(
+        self,
+        node_id: str,
+        incarnation: int,
+        ns: pb.Namespace,
+        tier: int,
+        hashes: Sequence[bytes],
+        addresses: Sequence[int],
+        lengths: Sequence[int],
+        rkeys: Sequence[int],
+        generations: Sequence[int],
+    ) -> pb.PublishResponse:
+        req = pb.PublishRequest(
+            node_id=node_id,
+            incarnation=incarnation,
+            namespace=ns,
+            tier=cast("pb.Tier.ValueType", tier),
+            block_hashes=hashes,
+            addresses=addresses,
+            lengths=lengths,
+            rkeys=rkeys,
+            generations=generations,
+        )
+        resp: pb.PublishResponse = self._write("Publish", req)
+        return resp
+
+    def remove(
+        self,
+        node_id: str,
+        incarnation: int,
+        ns: pb.Namespace,
+        tier: int,
+        hashes: Sequence[bytes],
+        generations: Sequence[int] = (),
+        addresses: Sequence[int] = (),
+    ) -> pb.RemoveResponse:
+        req = pb.RemoveRequest(
+            node_id=node_id,
+            incarnation=incarnation,
+            namespace=ns,
+            tier=cast("pb.Tier.ValueType", tier),
+            block_hashes=hashes,
+            generations=generations,
+            addresses=addresses,
+        )
+        resp: pb.RemoveResponse = self._write("Remove", req)
+        return resp
+
+    def clear_node(
+        self,
+        node_id: str,
+        incarnation: int,
+        ns: pb.Namespace | None = None,
+        deregister: bool = False,
+    ) -> pb.ClearNodeResponse:
+        req = pb.ClearNodeRequest(node_id=node_id, incarnation=incarnation, deregister=deregister)
+        if ns is not None:
+            req.namespace.CopyFrom(ns)
+        resp: pb.ClearNodeResponse = self._write("ClearNode", req)
+        return resp
+
+
+class DirectoryClient(DirectoryRequests):
     def __init__(
         self,
         addresses: Sequence[str],
@@ -243,109 +359,15 @@ class DirectoryClient:
         cls = OutcomeUnknown if code in _UNKNOWN else Unavailable
         raise cls(code, f"directory unavailable after retries: {detail}")
 
-    # ------------------------------------------------------------- writes
-
-    def register_node(
-        self,
-        node_id: str,
-        host: str,
-        incarnation: int,
-        endpoint: str = "",
-        transports: Sequence[str] = (),
-        lease_ms: int = 0,
-    ) -> pb.RegisterNodeResponse:
-        req = pb.RegisterNodeRequest(
-            node_id=node_id,
-            host=host,
-            agent_endpoint=endpoint,
-            transports=transports,
-            incarnation=incarnation,
-            lease_ms=lease_ms,
-        )
-        resp: pb.RegisterNodeResponse = self.call("RegisterNode", req)
-        return resp
-
-    def heartbeat(self, node_id: str, incarnation: int) -> pb.HeartbeatResponse:
-        resp: pb.HeartbeatResponse = self.call(
-            "Heartbeat", pb.HeartbeatRequest(node_id=node_id, incarnation=incarnation)
-        )
-        return resp
-
-    def publish(
-        self,
-        node_id: str,
-        incarnation: int,
-        ns: pb.Namespace,
-        tier: int,
-        hashes: Sequence[bytes],
-        addresses: Sequence[int],
-        lengths: Sequence[int],
-        rkeys: Sequence[int],
-        generations: Sequence[int],
-    ) -> pb.PublishResponse:
-        req = pb.PublishRequest(
-            node_id=node_id,
-            incarnation=incarnation,
-            namespace=ns,
-            tier=cast("pb.Tier.ValueType", tier),
-            block_hashes=hashes,
-            addresses=addresses,
-            lengths=lengths,
-            rkeys=rkeys,
-            generations=generations,
-        )
-        resp: pb.PublishResponse = self.call("Publish", req)
-        return resp
-
-    def remove(
-        self,
-        node_id: str,
-        incarnation: int,
-        ns: pb.Namespace,
-        tier: int,
-        hashes: Sequence[bytes],
-        generations: Sequence[int] = (),
-        addresses: Sequence[int] = (),
-    ) -> pb.RemoveResponse:
-        req = pb.RemoveRequest(
-            node_id=node_id,
-            incarnation=incarnation,
-            namespace=ns,
-            tier=cast("pb.Tier.ValueType", tier),
-            block_hashes=hashes,
-            generations=generations,
-            addresses=addresses,
-        )
-        resp: pb.RemoveResponse = self.call("Remove", req)
-        return resp
-
-    def clear_node(
-        self,
-        node_id: str,
-        incarnation: int,
-        ns: pb.Namespace | None = None,
-        deregister: bool = False,
-    ) -> pb.ClearNodeResponse:
-        req = pb.ClearNodeRequest(node_id=node_id, incarnation=incarnation, deregister=deregister)
-        if ns is not None:
-            req.namespace.CopyFrom(ns)
-        resp: pb.ClearNodeResponse = self.call("ClearNode", req)
-        return resp
+    # An alias, not a method calling `call`: no hop on the write path (a subclass
+    # overriding `call` must alias it again).
+    _write = call
 
     # -------------------------------------------------------------- reads
 
-    def lookup(
-        self,
-        ns: pb.Namespace,
-        chain: Sequence[bytes],
-        max_nodes: int = 0,
-        exclude_node: str = "",
-        linearizable: bool = False,
-        address: str | None = None,
-        omit_records: bool = False,
+    def _lookup(
+        self, req: pb.LookupRequest, chain: Sequence[bytes], address: str | None
     ) -> pb.LookupResponse:
-        req = lookup_request(ns, chain, max_nodes, exclude_node, omit_records)
-        req.linearizable = linearizable
         resp: pb.LookupResponse = self.call("Lookup", req, address=address)
         return resp
 

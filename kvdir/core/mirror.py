@@ -100,7 +100,45 @@ class Lag:
     fresh: bool
 
 
-class Mirror:
+class ChainLookups:
+    """`lookup` by chain for every in-process reader (a mirror, a sharded
+    directory's mirror, a mirror with the replicas as fallback): the request
+    built once (`lookup_request`), answered by the reader's `lookup_message`."""
+
+    def lookup_message(self, req: pb.LookupRequest) -> pb.LookupResponse:
+        raise NotImplementedError
+
+    def lookup(
+        self,
+        ns: pb.Namespace,
+        chain: Sequence[bytes],
+        max_nodes: int = 0,
+        exclude_node: str = "",
+        omit_records: bool = False,
+    ) -> pb.LookupResponse:
+        """As `DirectoryClient.lookup` (local read), answered in process."""
+        return self.lookup_message(lookup_request(ns, chain, max_nodes, exclude_node, omit_records))
+
+
+def parse_lookup(req: pb.LookupRequest, limits: RequestLimits) -> tuple[str, Chain, int]:
+    """`req` checked as a replica checks it: (namespace key, chain, max nodes)."""
+    try:
+        return validate.lookup_chain(req, limits)
+    except validate.BadRequest as e:
+        raise DirectoryError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.reason) from e
+
+
+def check_batch(lookups: Sequence[pb.LookupRequest], limits: RequestLimits) -> None:
+    """Refuses a batch a replica would refuse for its size."""
+    if len(lookups) > limits.lookup_batch_max:
+        raise DirectoryError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{len(lookups)} lookups is over the limit of {limits.lookup_batch_max}",
+            "too-many-lookups",
+        )
+
+
+class Mirror(ChainLookups):
     def __init__(
         self,
         max_staleness_s: float = MAX_STALENESS_S_DEFAULT,
@@ -294,7 +332,7 @@ class Mirror:
         request a replica would refuse. `linearizable` cannot be honoured here."""
         if req.linearizable:
             raise NotServed("linearizable", "a mirror serves local reads only")
-        ns, chain, max_nodes = self._parse(req)
+        ns, chain, max_nodes = parse_lookup(req, self.limits)
         self._check(ns)
         resp = pb.LookupResponse()
         with self.lock:
@@ -303,32 +341,10 @@ class Mirror:
             self._fill_read(resp.read)  # the index this answer reflects
         return resp
 
-    def _parse(self, req: pb.LookupRequest) -> tuple[str, Chain, int]:
-        try:
-            return validate.lookup_chain(req, self.limits)
-        except validate.BadRequest as e:
-            raise DirectoryError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.reason) from e
-
-    def lookup(
-        self,
-        ns: pb.Namespace,
-        chain: Sequence[bytes],
-        max_nodes: int = 0,
-        exclude_node: str = "",
-        omit_records: bool = False,
-    ) -> pb.LookupResponse:
-        """As `DirectoryClient.lookup` (local read), answered in process."""
-        return self.lookup_message(lookup_request(ns, chain, max_nodes, exclude_node, omit_records))
-
     def lookup_batch(self, lookups: Sequence[pb.LookupRequest]) -> pb.LookupBatchResponse:
         """As the LookupBatch RPC (local read): results[i].read unset, one ReadInfo."""
-        if len(lookups) > self.limits.lookup_batch_max:
-            raise DirectoryError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{len(lookups)} lookups is over the limit of {self.limits.lookup_batch_max}",
-                "too-many-lookups",
-            )
-        parsed = [self._parse(lk) for lk in lookups]
+        check_batch(lookups, self.limits)
+        parsed = [parse_lookup(lk, self.limits) for lk in lookups]
         for ns, _, _ in parsed:
             self._check(ns)
         resp = pb.LookupBatchResponse()
@@ -384,7 +400,7 @@ class RpcLookups(Protocol):
     ) -> pb.LookupBatchResponse: ...
 
 
-class MirroredDirectory:
+class MirroredDirectory(ChainLookups):
     """Lookups from a mirror while it is fresh, else from a replica over gRPC.
 
     The API the vLLM connector's scheduler side and the agent use: the same
@@ -396,15 +412,7 @@ class MirroredDirectory:
         self.client = client
         self.fallbacks = 0
 
-    def lookup(
-        self,
-        ns: pb.Namespace,
-        chain: Sequence[bytes],
-        max_nodes: int = 0,
-        exclude_node: str = "",
-        omit_records: bool = False,
-    ) -> pb.LookupResponse:
-        req = lookup_request(ns, chain, max_nodes, exclude_node, omit_records)
+    def lookup_message(self, req: pb.LookupRequest) -> pb.LookupResponse:
         if self.mirror is not None:
             try:
                 return self.mirror.lookup_message(req)

@@ -42,6 +42,7 @@ from kvdir.core import shard_wire
 from kvdir.core.client import (
     DirectoryClient,
     DirectoryError,
+    DirectoryRequests,
     OutcomeUnknown,
     Unavailable,
     lookup_request,
@@ -54,6 +55,7 @@ from kvdir.directory.limits import RequestLimits
 from kvdir.v1 import directory_pb2 as pb
 
 T = TypeVar("T")
+R = TypeVar("R", pb.PublishRequest, pb.RemoveRequest)
 
 REROUTE_ATTEMPTS_MAX = 8
 """Times one call is re-split after `wrong_shard` refusals (each after a map refresh)."""
@@ -82,6 +84,55 @@ def chain_hashes(req: pb.LookupRequest) -> list[bytes]:
         packed = struct.pack(f">{len(req.block_ids)}Q", *req.block_ids)
         return [packed[i : i + 8] for i in range(0, len(packed), 8)]
     return list(req.block_hashes)
+
+
+# A write's per-block columns: what one group's part of it holds a slice of.
+_PUBLISH_COLUMNS = ("block_hashes", "addresses", "lengths", "rkeys", "generations")
+_REMOVE_COLUMNS = ("block_hashes", "generations", "addresses")
+
+
+def _parts(req: R, columns: tuple[str, ...]) -> Callable[[list[int]], R]:
+    """Cuts `req` to positions of its hashes: each column sliced, one of another
+    length sent whole (the replica refuses it, as it would the whole request)."""
+    base = type(req)()
+    base.CopyFrom(req)
+    for name in columns:
+        base.ClearField(name)  # type: ignore[arg-type]
+    n = len(req.block_hashes)
+    cols = [(name, list(getattr(req, name))) for name in columns]
+
+    def part(idx: list[int]) -> R:
+        out = type(req)()
+        out.CopyFrom(base)
+        for name, col in cols:
+            getattr(out, name).extend([col[i] for i in idx] if len(col) == n else col)
+        return out
+
+    return part
+
+
+def _registered(got: list[pb.RegisterNodeResponse]) -> pb.RegisterNodeResponse:
+    """Registered in every group: the earliest lease expiry."""
+    out = pb.RegisterNodeResponse()
+    out.CopyFrom(min(got, key=lambda r: r.lease_expiry_ms))
+    out.replaced_incarnation = any(r.replaced_incarnation for r in got)
+    return out
+
+
+def _heartbeat(got: list[pb.HeartbeatResponse]) -> pb.HeartbeatResponse:
+    return pb.HeartbeatResponse(lease_expiry_ms=min(r.lease_expiry_ms for r in got))
+
+
+def _cleared(got: list[pb.ClearNodeResponse]) -> pb.ClearNodeResponse:
+    return pb.ClearNodeResponse(removed=sum(r.removed for r in got))
+
+
+_MERGE: dict[str, Callable[[list[Any]], Any]] = {
+    "RegisterNode": _registered,
+    "Heartbeat": _heartbeat,
+    "ClearNode": _cleared,
+}
+"""How every group's answers to a node-wide command make one answer."""
 
 
 def _with_committed(e: DirectoryError, committed: list[int]) -> DirectoryError:
@@ -115,7 +166,7 @@ def worst(errors: Sequence[BaseException]) -> BaseException:
     return min(errors, key=_rank)
 
 
-class ShardedDirectoryClient:
+class ShardedDirectoryClient(DirectoryRequests):
     def __init__(
         self,
         home: Sequence[str],
@@ -383,156 +434,57 @@ class ShardedDirectoryClient:
 
     # ------------------------------------------------------------- writes
 
-    def register_node(
-        self,
-        node_id: str,
-        host: str,
-        incarnation: int,
-        endpoint: str = "",
-        transports: Sequence[str] = (),
-        lease_ms: int = 0,
-    ) -> pb.RegisterNodeResponse:
-        """Register in every group; the answer has the earliest lease expiry."""
-        req = pb.RegisterNodeRequest(
-            node_id=node_id,
-            host=host,
-            agent_endpoint=endpoint,
-            transports=transports,
-            incarnation=incarnation,
-            lease_ms=lease_ms,
-        )
-        got: list[pb.RegisterNodeResponse] = self._fan_out("RegisterNode", req)
-        out = pb.RegisterNodeResponse()
-        out.CopyFrom(min(got, key=lambda r: r.lease_expiry_ms))
-        out.replaced_incarnation = any(r.replaced_incarnation for r in got)
-        return out
+    def _write(self, method: str, request: Any) -> Any:
+        """A request `DirectoryRequests` built, routed by its kind (module docstring)."""
+        if method == "Publish":
+            return self._publish(request)
+        if method == "Remove":
+            return self._remove(request)
+        return _MERGE[method](self._fan_out(method, request))
 
-    def heartbeat(self, node_id: str, incarnation: int) -> pb.HeartbeatResponse:
-        req = pb.HeartbeatRequest(node_id=node_id, incarnation=incarnation)
-        got: list[pb.HeartbeatResponse] = self._fan_out("Heartbeat", req)
-        return pb.HeartbeatResponse(lease_expiry_ms=min(r.lease_expiry_ms for r in got))
-
-    def publish(
-        self,
-        node_id: str,
-        incarnation: int,
-        ns: pb.Namespace,
-        tier: int,
-        hashes: Sequence[bytes],
-        addresses: Sequence[int],
-        lengths: Sequence[int],
-        rkeys: Sequence[int],
-        generations: Sequence[int],
-    ) -> pb.PublishResponse:
-        n = len(hashes)
-        if not len(addresses) == len(lengths) == len(rkeys) == len(generations) == n:
+    def _publish(self, req: pb.PublishRequest) -> pb.PublishResponse:
+        n = len(req.block_hashes)
+        if any(len(getattr(req, c)) != n for c in _PUBLISH_COLUMNS):
             # One part per group cannot be cut from ragged columns: let a replica say why.
-            return self._clients()[self._map.groups[0].group_id].publish(
-                node_id, incarnation, ns, tier, hashes, addresses, lengths, rkeys, generations
-            )
-
-        def send(
-            c: DirectoryClient, idx: list[int], left: float, md: list[tuple[str, str]]
-        ) -> pb.PublishResponse:
-            req = pb.PublishRequest(
-                node_id=node_id,
-                incarnation=incarnation,
-                namespace=ns,
-                tier=cast("pb.Tier.ValueType", tier),
-                block_hashes=[hashes[i] for i in idx],
-                addresses=[addresses[i] for i in idx],
-                lengths=[lengths[i] for i in idx],
-                rkeys=[rkeys[i] for i in idx],
-                generations=[generations[i] for i in idx],
-            )
-            return cast(pb.PublishResponse, c.call("Publish", req, left, metadata=md))
-
-        parts = (
-            self._routed(hashes, send)
-            if n
-            else [self._empty_publish(node_id, incarnation, ns, tier)]
-        )
+            first = self._clients()[self._map.groups[0].group_id]
+            return cast(pb.PublishResponse, first.call("Publish", req))
+        if not n:  # an empty batch goes to the home group alone (it still checks the node)
+            return cast(pb.PublishResponse, self.home.call("Publish", req))
+        parts: list[pb.PublishResponse] = self._split("Publish", req, _PUBLISH_COLUMNS)
         return pb.PublishResponse(
             applied=sum(p.applied for p in parts),
             stale=sum(p.stale for p in parts),
             applied_index=max(p.applied_index for p in parts),
         )
 
-    def _empty_publish(
-        self, node_id: str, incarnation: int, ns: pb.Namespace, tier: int
-    ) -> pb.PublishResponse:
-        """An empty batch goes to the home group alone (it still checks the node)."""
-        return self.home.publish(node_id, incarnation, ns, tier, [], [], [], [], [])
-
-    def remove(
-        self,
-        node_id: str,
-        incarnation: int,
-        ns: pb.Namespace,
-        tier: int,
-        hashes: Sequence[bytes],
-        generations: Sequence[int] = (),
-        addresses: Sequence[int] = (),
-    ) -> pb.RemoveResponse:
-        base = pb.RemoveRequest(
-            node_id=node_id,
-            incarnation=incarnation,
-            namespace=ns,
-            tier=cast("pb.Tier.ValueType", tier),
-        )
-        if not hashes:
-            got: list[pb.RemoveResponse] = self._fan_out("Remove", base)
+    def _remove(self, req: pb.RemoveRequest) -> pb.RemoveResponse:
+        if not req.block_hashes:
+            node_wide = pb.RemoveRequest()
+            node_wide.CopyFrom(req)
+            node_wide.ClearField("generations")  # as ever: a node-wide remove has no columns
+            node_wide.ClearField("addresses")
+            got: list[pb.RemoveResponse] = self._fan_out("Remove", node_wide)
             return pb.RemoveResponse(removed=sum(r.removed for r in got))
-
-        def send(
-            c: DirectoryClient, idx: list[int], left: float, md: list[tuple[str, str]]
-        ) -> pb.RemoveResponse:
-            req = pb.RemoveRequest()
-            req.CopyFrom(base)
-            req.block_hashes.extend(hashes[i] for i in idx)
-            if len(generations) == len(hashes):
-                req.generations.extend(generations[i] for i in idx)
-            else:
-                req.generations.extend(generations)  # ragged: the replica refuses it
-            if len(addresses) == len(hashes):
-                req.addresses.extend(addresses[i] for i in idx)
-            else:
-                req.addresses.extend(addresses)
-            return cast(pb.RemoveResponse, c.call("Remove", req, left, metadata=md))
-
-        parts = self._routed(hashes, send)
+        parts: list[pb.RemoveResponse] = self._split("Remove", req, _REMOVE_COLUMNS)
         return pb.RemoveResponse(
             removed=sum(p.removed for p in parts),
             applied_index=max(p.applied_index for p in parts),
         )
 
-    def clear_node(
-        self,
-        node_id: str,
-        incarnation: int,
-        ns: pb.Namespace | None = None,
-        deregister: bool = False,
-    ) -> pb.ClearNodeResponse:
-        req = pb.ClearNodeRequest(node_id=node_id, incarnation=incarnation, deregister=deregister)
-        if ns is not None:
-            req.namespace.CopyFrom(ns)
-        got: list[pb.ClearNodeResponse] = self._fan_out("ClearNode", req)
-        return pb.ClearNodeResponse(removed=sum(r.removed for r in got))
+    def _split(self, method: str, req: R, columns: tuple[str, ...]) -> list[Any]:
+        """`req` cut by the groups of its hashes, each part sent to its group."""
+        part = _parts(req, columns)
+
+        def send(c: DirectoryClient, idx: list[int], left: float, md: list[tuple[str, str]]) -> Any:
+            return c.call(method, part(idx), left, metadata=md)
+
+        return self._routed(list(req.block_hashes), send)
 
     # -------------------------------------------------------------- reads
 
-    def lookup(
-        self,
-        ns: pb.Namespace,
-        chain: Sequence[bytes],
-        max_nodes: int = 0,
-        exclude_node: str = "",
-        linearizable: bool = False,
-        address: str | None = None,
-        omit_records: bool = False,
+    def _lookup(
+        self, req: pb.LookupRequest, chain: Sequence[bytes], address: str | None
     ) -> pb.LookupResponse:
-        req = lookup_request(ns, chain, max_nodes, exclude_node, omit_records)
-        req.linearizable = linearizable
         return self.lookup_message(req, list(chain), address)
 
     def lookup_message(

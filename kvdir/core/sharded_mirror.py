@@ -43,17 +43,25 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-import grpc
 import numpy as np
 import numpy.typing as npt
 
 from kvdir.core.client import DirectoryError, lookup_request
-from kvdir.core.mirror import MAX_STALENESS_S_DEFAULT, Lag, Mirror, NotServed
+from kvdir.core.mirror import (
+    MAX_STALENESS_S_DEFAULT,
+    ChainLookups,
+    Lag,
+    Mirror,
+    NotServed,
+    check_batch,
+    parse_lookup,
+)
 from kvdir.core.mirror_sync import MirrorSync
 from kvdir.core.security import PLAIN, ClientSecurity
 from kvdir.core.shard_map import ShardMap
 from kvdir.core.shard_merge import merge_lookup
 from kvdir.core.shard_route import Router
+from kvdir.core.wire import namespace_of
 from kvdir.directory import validate
 from kvdir.directory.limits import RequestLimits
 from kvdir.directory.lookup import Chain
@@ -73,7 +81,7 @@ class GroupLag:
     source: str
 
 
-class ShardedMirror:
+class ShardedMirror(ChainLookups):
     def __init__(
         self,
         shard_map: ShardMap,
@@ -149,17 +157,11 @@ class ShardedMirror:
 
     # ----------------------------------------------------------------- reads
 
-    def _parse(self, req: pb.LookupRequest) -> tuple[str, Chain, int]:
-        try:
-            return validate.lookup_chain(req, self.limits)
-        except validate.BadRequest as e:
-            raise DirectoryError(grpc.StatusCode.INVALID_ARGUMENT, str(e), e.reason) from e
-
     def lookup_message(self, req: pb.LookupRequest) -> pb.LookupResponse:
         """As `Mirror.lookup_message`: the merged answer of the groups' tables."""
         if req.linearizable:
             raise NotServed("linearizable", "a mirror serves local reads only")
-        ns, chain, max_nodes = self._parse(req)
+        ns, chain, max_nodes = parse_lookup(req, self.limits)
         if self.namespaces is not None and ns not in self.namespaces:
             raise NotServed("namespace-not-mirrored", "this mirror does not hold that namespace")
         items = chain.items()
@@ -175,11 +177,8 @@ class ShardedMirror:
             if g not in fresh:
                 answers[g] = None  # its blocks count as absent
                 continue
-            sub = pb.LookupRequest(
-                namespace=req.namespace,
-                max_nodes=req.max_nodes,
-                exclude_node=req.exclude_node,
-                omit_records=req.omit_records,
+            sub = lookup_request(
+                req.namespace, (), req.max_nodes, req.exclude_node, req.omit_records
             )
             if packed is not None:  # the group's part, packed, in one numpy gather
                 sub.packed_hashes, sub.hash_width = packed[pos].tobytes(), chain.width
@@ -193,23 +192,8 @@ class ShardedMirror:
         resp.read.replica_id = "mirror:shards"
         return resp
 
-    def lookup(
-        self,
-        ns: pb.Namespace,
-        chain: Sequence[bytes],
-        max_nodes: int = 0,
-        exclude_node: str = "",
-        omit_records: bool = False,
-    ) -> pb.LookupResponse:
-        return self.lookup_message(lookup_request(ns, chain, max_nodes, exclude_node, omit_records))
-
     def lookup_batch(self, lookups: Sequence[pb.LookupRequest]) -> pb.LookupBatchResponse:
-        if len(lookups) > self.limits.lookup_batch_max:
-            raise DirectoryError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{len(lookups)} lookups is over the limit of {self.limits.lookup_batch_max}",
-                "too-many-lookups",
-            )
+        check_batch(lookups, self.limits)
         resp = pb.LookupBatchResponse()
         for lk in lookups:
             resp.results.add().matches.extend(self.lookup_message(lk).matches)
@@ -229,28 +213,13 @@ class ShardedMirror:
         ]
 
     def _lengths(self, ns_key: str, chain: Chain, max_nodes: int) -> pb.LookupResponse:
-        req = lookup_request(_namespace(ns_key), chain.items(), max_nodes, omit_records=True)
+        req = lookup_request(namespace_of(ns_key), chain.items(), max_nodes, omit_records=True)
         return self.lookup_message(req)
 
     def digests(self) -> dict[str, tuple[int, bytes]]:
         """Each group's (applied index, table digest): equal to that group's replicas'
         ClusterStatus digest at the same index (unfiltered mirrors)."""
         return {g: m.digest() for g, m in self.mirrors.items()}
-
-
-def _namespace(ns_key: str) -> pb.Namespace:
-    """The namespace a key names (kvdir.core.wire's field order: model, dtype, block
-    tokens, layout, rank/size)."""
-    model, dtype, bt, layout, tp = ns_key.split("\x1f")
-    rank, size = tp.split("/")
-    return pb.Namespace(
-        model=model,
-        dtype=dtype,
-        block_tokens=int(bt),
-        layout=layout,
-        tp_rank=int(rank),
-        tp_size=int(size),
-    )
 
 
 class ShardedMirrorSync:

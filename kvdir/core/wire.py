@@ -56,6 +56,16 @@ def namespace_key(ns: pb.Namespace) -> str:
     return key
 
 
+def namespace_of(key: str) -> pb.Namespace:
+    """The namespace `key` names (`namespace_key`'s inverse)."""
+    model, dtype, block_tokens, layout, tp = key.split(_SEP)
+    rank, size = tp.split("/")
+    return pb.Namespace(
+        model=model, dtype=dtype, block_tokens=int(block_tokens), layout=layout,
+        tp_rank=int(rank), tp_size=int(size),
+    )  # fmt: skip
+
+
 def _namespace_key(ns: pb.Namespace) -> str:
     if not ns.model:
         raise BadNamespace("namespace.model is required")
