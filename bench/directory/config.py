@@ -88,6 +88,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "entry looked up, replica and mirror digests; default --entries 8000000; "
         "bench/directory/evidence.py)",
     )
+    p.add_argument(
+        "--verify-s",
+        type=float,
+        default=300.0,
+        help="--evidence: seconds for looking up the acknowledged entries (complete if it "
+        "fits, else a uniform sample, said in the report; default 300)",
+    )
     add_quick_and_out_dir(p, "directory")
     p.add_argument(
         "--dir",
@@ -117,6 +124,7 @@ class Config:
     seed: int
     shards: tuple[int, ...] = ()
     evidence: bool = False
+    verify_s: float = 300.0
 
     @property
     def tuning(self) -> RaftTuning:
@@ -163,6 +171,7 @@ def resolve(args: argparse.Namespace) -> Config:
         seed=args.seed,
         shards=tuple(args.shards or ()),
         evidence=bool(args.evidence),
+        verify_s=args.verify_s,
     )
     checks = [
         (cfg.entries >= 1000, "--entries must be >= 1000"),
@@ -175,6 +184,7 @@ def resolve(args: argparse.Namespace) -> Config:
         (1 <= cfg.publish_inflight <= 256, "--publish-inflight must be 1..256"),
         (all(1 <= n <= 16 for n in cfg.shards), "--shards sizes must be 1..16"),
         (not cfg.evidence or cfg.shards == (4,), "--evidence needs --shards 4"),
+        (1 <= cfg.verify_s <= 3600, "--verify-s must be 1..3600"),
     ]
     for ok, msg in checks:
         if not ok:
