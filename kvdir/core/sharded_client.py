@@ -93,19 +93,20 @@ _REMOVE_COLUMNS = ("block_hashes", "generations", "addresses")
 
 def _parts(req: R, columns: tuple[str, ...]) -> Callable[[list[int]], R]:
     """Cuts `req` to positions of its hashes: each column sliced, one of another
-    length sent whole (the replica refuses it, as it would the whole request)."""
-    base = type(req)()
-    base.CopyFrom(req)
-    for name in columns:
-        base.ClearField(name)  # type: ignore[arg-type]
+    length sent whole (the replica refuses it, as it would the whole request).
+    Moves the columns out of `req` (the call's own request, built for it): what
+    stays is what every part shares, merged in, not copied whole and cleared."""
     n = len(req.block_hashes)
     cols = [(name, list(getattr(req, name))) for name in columns]
+    for name in columns:
+        req.ClearField(name)  # type: ignore[arg-type]
 
     def part(idx: list[int]) -> R:
-        out = type(req)()
-        out.CopyFrom(base)
-        for name, col in cols:
-            getattr(out, name).extend([col[i] for i in idx] if len(col) == n else col)
+        sliced: dict[str, Any] = {
+            name: [c[i] for i in idx] if len(c) == n else c for name, c in cols
+        }
+        out = type(req)(**sliced)
+        out.MergeFrom(req)
         return out
 
     return part
@@ -473,12 +474,13 @@ class ShardedDirectoryClient(DirectoryRequests):
 
     def _split(self, method: str, req: R, columns: tuple[str, ...]) -> list[Any]:
         """`req` cut by the groups of its hashes, each part sent to its group."""
+        hashes = list(req.block_hashes)
         part = _parts(req, columns)
 
         def send(c: DirectoryClient, idx: list[int], left: float, md: list[tuple[str, str]]) -> Any:
             return c.call(method, part(idx), left, metadata=md)
 
-        return self._routed(list(req.block_hashes), send)
+        return self._routed(hashes, send)
 
     # -------------------------------------------------------------- reads
 
