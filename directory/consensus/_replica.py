@@ -90,6 +90,10 @@ def node_labels(node: Any) -> tuple[str, str]:
     return str(getattr(node, "kvdir_id", "")), str(getattr(node, "kvdir_grpc", ""))
 
 
+BIND_RETRY_S = 0.5
+BIND_RETRIES = 20  # 10 s
+
+
 def make_conf(
     replica: Replica,
     tuning: RaftTuning,
@@ -125,6 +129,11 @@ def make_conf(
         onStateChanged=on_state_changed,
         password=password,
         bindAddress=bind_address,
+        # pysyncobj retries a failed bind forever by default (maxBindRetries=0): a replica
+        # whose Raft port is taken then hangs at start, silently. Retry long enough for a
+        # killed predecessor's socket to go, then fail the start with one line.
+        bindRetryTime=BIND_RETRY_S,
+        maxBindRetries=BIND_RETRIES,
     )
 
 
