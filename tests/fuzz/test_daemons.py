@@ -32,7 +32,7 @@ def test_grpc_handlers_refuse_hostile_requests_and_keep_serving(
     run.fuzz_oversized(harness, tally)
     _no_crashes(tally, seed)
     methods = [t for t in tally.cases if not t.startswith("oversized.")]
-    assert len(methods) == 19  # 10 directory (Watch included) + 3 agent + 6 engine methods
+    assert len(methods) == 20  # 11 directory (Watch, GetShardMap included) + 3 agent + 6 engine
     assert all(tally.cases[m] == CASES for m in methods)
     for target in ("oversized.Publish", "oversized.Handshake", "oversized.Notify"):
         assert tally.outcomes[target] == {"RESOURCE_EXHAUSTED": 1}, tally.outcomes[target]
