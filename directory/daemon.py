@@ -63,6 +63,9 @@ log = logging.getLogger("kvdir.directory")
 HEALTH_INTERVAL_S = 0.1
 APPLY_LAG_SERVING_MAX = 1000
 """A replica more than this many entries behind its commit index is catching up."""
+HANDOVER_MAX_S = 8.0
+"""The longest a stopping leader waits for its successor: deploy/systemd gives a
+replica 20 s to stop (TimeoutStopSec), and the gRPC drain and the close follow."""
 
 
 class StartError(RuntimeError):
@@ -292,9 +295,21 @@ class DirectoryDaemon:
         c = self.consensus
         if c is not None and c.is_leader():
             t0 = time.monotonic()
-            c.transfer_leadership()
-            deadline = t0 + min(grace_s, 1.0)
+            timing = self.cfg.raft
+            # A handover is one election run at once: it needs about as long as the
+            # configured election timeout allows for a vote round (seconds on a
+            # starved or emulated host, where operators raise that timeout), never
+            # less than 1 s, and never past HANDOVER_MAX_S: the unit's stop timeout
+            # must still cover the server's drain.
+            deadline = t0 + min(HANDOVER_MAX_S, max(1.0, timing.election_max_s))
+            retry_s = max(timing.election_min_s, 0.1)
+            next_try = t0
             while c.is_leader() and time.monotonic() < deadline:
+                if time.monotonic() >= next_try:
+                    # Again when refused: pysyncobj declines a target that is
+                    # not caught up yet, and a write may have just landed.
+                    c.transfer_leadership()
+                    next_try = time.monotonic() + retry_s
                 time.sleep(0.01)
             # Operators (and the systemd VM test) read this to tell a handover
             # from a plain exit that left the others to an election timeout.
