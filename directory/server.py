@@ -31,7 +31,7 @@ import grpc
 
 from kvdir.core import shard_wire
 from kvdir.core.security import authorize_node
-from kvdir.directory import answer, validate
+from kvdir.directory import answer, snapshot, validate
 from kvdir.directory.commands import (
     ClearNode,
     Expired,
@@ -60,6 +60,10 @@ from kvdir.v1 import directory_pb2_grpc as pb_grpc
 log = logging.getLogger("kvdir.directory.server")
 
 SERVICE_NAME = "kvdir.v1.PrefixDirectory"
+DIGEST_CAPTURE_TIMEOUT_S = 10.0
+"""How long a digest waits for the Raft thread to freeze the table between applies."""
+DIGEST_WAIT_S = 30.0
+"""How long a digest request waits for another one on this replica to finish."""
 _ROLE = {
     Role.FOLLOWER: pb.ROLE_FOLLOWER,
     Role.CANDIDATE: pb.ROLE_CANDIDATE,
@@ -130,6 +134,7 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         self.metrics = metrics
         self._grpc_of_raft = cfg.grpc_of_raft()
         self._inflight = threading.BoundedSemaphore(cfg.limits.inflight_writes_max)
+        self._digest_slot = threading.BoundedSemaphore(1)
         self._caught_up = False
         self.watch: WatchService | None = None
         """Set by the daemon once the Watch feed is attached."""
@@ -448,12 +453,37 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         def sizes(t: Table) -> None:
             resp.entries, resp.blocks = t.entries, t.block_count
             resp.nodes, resp.namespaces = len(t.nodes), len(t.ns_names)
-            if request.with_digest:
-                resp.applied_index = self._applied_index()  # the index the digest is taken at
-                resp.state_digest = t.digest()
 
         self.consensus.read(sizes)
+        if request.with_digest:
+            resp.applied_index, resp.state_digest = self._digest(context)
         return resp
+
+    def _digest(self, context: grpc.ServicerContext) -> tuple[int, bytes]:
+        """(applied index, table digest at it), computed off the Raft thread.
+
+        The digest sorts every entry (tens of seconds at millions): taken inside
+        `consensus.read` it held the table while the Raft thread waited to apply,
+        and replicas lost their leader. A capture freezes the table between two
+        applies (cheap, copy-on-write) and the digest runs over the copy. One at a
+        time per replica: each holds a copy of the table."""
+        if not self._digest_slot.acquire(timeout=DIGEST_WAIT_S):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "another state digest is being computed on this replica; ask again",
+            )
+        try:
+            try:
+                cap = self.consensus.capture(DIGEST_CAPTURE_TIMEOUT_S)
+            except TimeoutError as e:
+                context.abort(grpc.StatusCode.UNAVAILABLE, f"state digest: {e}")
+            image = cap.image
+            try:
+                return cap.index, snapshot.table_of(image).digest()
+            finally:
+                snapshot.drop(image)
+        finally:
+            self._digest_slot.release()
 
     @_rpc
     def GetShardMap(

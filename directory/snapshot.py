@@ -188,6 +188,15 @@ def _copy(f: Freeze, meta: dict[str, Any]) -> Image:
     return Image(arrays=arrays, keys=keys, heads=_heads(cols, len(meta["namespaces"])), meta=meta)
 
 
+def table_of(image: Image) -> Table:
+    """A Table over `image`'s columns (shared, not copied), for reading: a digest
+    taken off the Raft thread. Writing to it would write into the image."""
+    table = Table()
+    table.col = Columns.of(image.arrays, image.keys)
+    _restore_meta(table, image.meta, image.heads)
+    return table
+
+
 def drop(image: Image) -> None:
     """Empty `image`'s key list a chunk at a time (its only owner, once done with it).
 
@@ -534,6 +543,7 @@ __all__ = [
     "load",
     "read",
     "restrict",
+    "table_of",
     "write",
     "write_to",
 ]

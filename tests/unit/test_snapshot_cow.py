@@ -132,6 +132,26 @@ def test_a_restored_capture_has_the_same_digest_and_lookups() -> None:
     assert got == want
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_a_table_over_a_capture_digests_as_the_table_did_at_the_freeze(seed: int) -> None:
+    """ClusterStatus(with_digest) digests `table_of(capture)` off the Raft thread: it must
+    equal the live table's digest at the freeze, whatever was applied after it."""
+    rng = random.Random(seed)
+    t = Table()
+    inc = dict.fromkeys(NODES, 1)
+    for n in NODES:
+        t.apply(RegisterNode(n, "h", "e", ("tcp",), 1, 10_000, 0))
+    for step in range(300):
+        t.apply(_command(rng, step, inc))
+    frozen, digest = snapshot.freeze(t), t.digest()
+    for step in range(300, 600):
+        t.apply(_command(rng, step, inc))
+    assert t.digest() != digest, "the later applies changed the table"
+    image = frozen.image()
+    assert snapshot.table_of(image).digest() == digest
+    assert snapshot.table_of(snapshot.capture(t)).digest() == t.digest()
+
+
 def test_an_abandoned_capture_ends_its_copy_on_write() -> None:
     t = Table()
     t.apply(RegisterNode("n0", "h", "e", ("tcp",), 1, 500, 0))
