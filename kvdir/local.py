@@ -242,10 +242,18 @@ class LocalCluster:
                 r.proc.wait(timeout=10)
 
     def stop(self) -> None:
+        self.signal_stop()
+        self.wait_stopped()
+
+    def signal_stop(self) -> None:
+        """SIGTERM to every live replica (each hands over, drains, exits on its own)."""
         for r in self.replicas:
             if r.alive:
                 assert r.proc is not None
                 r.proc.send_signal(signal.SIGTERM)
+
+    def wait_stopped(self) -> None:
+        """Wait for `signal_stop`'s replicas to exit; SIGKILL any still up after 10 s."""
         for r in self.replicas:
             if r.proc is not None:
                 try:
@@ -341,8 +349,12 @@ class ShardedCluster:
             raise ClusterError(f"{e} (versions: {last[0]})") from None
 
     def stop(self) -> None:
+        # Every group at once: one group's stop is seconds (each leader's handover,
+        # each server's drain), and in turn they added up.
         for c in self.clusters.values():
-            c.stop()
+            c.signal_stop()
+        for c in self.clusters.values():
+            c.wait_stopped()
 
     def __enter__(self) -> ShardedCluster:
         return self
