@@ -105,22 +105,32 @@ def test_late_copies_equal_the_table_at_each_freeze(seed: int) -> None:
     assert t.frozen == (), "every copy ended its copy-on-write"
 
 
+class _Applier:
+    """A table with every node registered (10 s leases), fed seeded commands."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.table = Table()
+        self.inc = dict.fromkeys(NODES, 1)
+        for n in NODES:
+            self.table.apply(RegisterNode(n, "h", "e", ("tcp",), 1, 10_000, 0))
+
+    def steps(self, start: int, stop: int) -> None:
+        for step in range(start, stop):
+            self.table.apply(_command(self.rng, step, self.inc))
+
+
 def test_a_restored_capture_has_the_same_digest_and_lookups() -> None:
-    rng = random.Random(7)
-    t = Table()
-    inc = dict.fromkeys(NODES, 1)
-    for n in NODES:
-        t.apply(RegisterNode(n, "h", "e", ("tcp",), 1, 10_000, 0))
-    for step in range(400):
-        t.apply(_command(rng, step, inc))
+    feed = _Applier(7)
+    t = feed.table
+    feed.steps(0, 400)
     frozen, digest = snapshot.freeze(t), t.digest()
     chains = {ns: [k for k in t.col.key if k is not None][:50] for ns in NAMESPACES}
     want = {
         ns: [(m.node.node_id, m.prefix_blocks) for m in t.lookup(ns, c, 8)]
         for ns, c in chains.items()
     }
-    for step in range(400, 800):
-        t.apply(_command(rng, step, inc))
+    feed.steps(400, 800)
     buf = io.BytesIO()
     snapshot.write_to(buf, frozen.image(), {}, [])
     back, _, _ = snapshot.load(io.BytesIO(buf.getvalue()))
@@ -136,16 +146,11 @@ def test_a_restored_capture_has_the_same_digest_and_lookups() -> None:
 def test_a_table_over_a_capture_digests_as_the_table_did_at_the_freeze(seed: int) -> None:
     """ClusterStatus(with_digest) digests `table_of(capture)` off the Raft thread: it must
     equal the live table's digest at the freeze, whatever was applied after it."""
-    rng = random.Random(seed)
-    t = Table()
-    inc = dict.fromkeys(NODES, 1)
-    for n in NODES:
-        t.apply(RegisterNode(n, "h", "e", ("tcp",), 1, 10_000, 0))
-    for step in range(300):
-        t.apply(_command(rng, step, inc))
+    feed = _Applier(seed)
+    t = feed.table
+    feed.steps(0, 300)
     frozen, digest = snapshot.freeze(t), t.digest()
-    for step in range(300, 600):
-        t.apply(_command(rng, step, inc))
+    feed.steps(300, 600)
     assert t.digest() != digest, "the later applies changed the table"
     image = frozen.image()
     assert snapshot.table_of(image).digest() == digest
