@@ -106,3 +106,38 @@ def test_stop_group_ends_members_that_outlive_their_leader_and_ignore_sigterm() 
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(leader.pid, signal.SIGKILL)
+
+
+def test_end_descendants_leaves_this_process_s_resource_tracker_to_end_by_itself() -> None:
+    """multiprocessing's resource tracker ignores SIGTERM by design; it exits when its
+    parent does. A harness that used shared memory must not wait out the grace on it."""
+    code = """
+import sys, time
+from multiprocessing import resource_tracker, shared_memory
+from kvdir import harness
+shm = shared_memory.SharedMemory(create=True, size=4096)  # starts the tracker
+tracker = resource_tracker._resource_tracker._pid
+assert tracker in harness.descendants(), "the tracker is a child"
+t0 = time.monotonic()
+harness.end_descendants(grace_s=30.0)
+took = time.monotonic() - t0
+shm.close()
+shm.unlink()
+print(tracker, round(took, 3))
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=STOP_BOUND_S,
+    )
+    assert out.returncode == 0, out.stderr
+    tracker, took = out.stdout.split()
+    assert float(took) < 5.0, f"end_descendants waited {took} s on the resource tracker"
+    wait_for(
+        lambda: not harness.alive({int(tracker)}),
+        STOP_BOUND_S,
+        "the resource tracker to end with its parent",
+        POLL_S,
+    )
