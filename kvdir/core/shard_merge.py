@@ -129,17 +129,20 @@ def _fill_records(
     matches: Mapping[str, pb.NodeMatch | None],
 ) -> None:
     """Interleave the owning groups' record columns into chain order, up to `prefix`."""
+    parts: list[tuple[str, pb.NodeMatch, np.ndarray, int]] = []
+    for g, p in owned.items():
+        below = int(np.searchsorted(p, prefix))  # positions of g inside the prefix
+        if below == 0:
+            continue
+        m = matches.get(g)
+        # holder_prefixes bounded `prefix` by p[k_g], so g answered >= `below` blocks.
+        assert m is not None and m.prefix_blocks >= below, "merge bound broken"
+        parts.append((g, m, p[:below], below))
     for name, dtype in _COLUMNS:
         out = np.empty(prefix, dtype=dtype)
-        for g, p in owned.items():
-            below = int(np.searchsorted(p, prefix))  # positions of g inside the prefix
-            if below == 0:
-                continue
-            m = matches.get(g)
-            # holder_prefixes bounded `prefix` by p[k_g], so g answered >= `below` blocks.
-            assert m is not None and m.prefix_blocks >= below, "merge bound broken"
+        for g, m, at, below in parts:
             col = np.frombuffer(getattr(m, name), dtype=dtype)
             if len(col) < below:
                 raise ValueError(f"group {g!r} sent {len(col)} {name} for {below} blocks")
-            out[p[:below]] = col[:below]
+            out[at] = col[:below]
         setattr(nm, name, out.tobytes())

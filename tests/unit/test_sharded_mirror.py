@@ -112,7 +112,7 @@ def stray(m: ShardMap, into: str, cmd: Command) -> Command | None:
     )
 
 
-@pytest.mark.parametrize("groups", [2, 3])
+@pytest.mark.parametrize("groups", [1, 2, 3])
 @pytest.mark.parametrize("seed", range(6))
 def test_union_equals_the_whole_log(groups: int, seed: int) -> None:
     rng = random.Random(seed)
