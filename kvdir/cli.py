@@ -33,6 +33,7 @@ from kvdir.core.client import DirectoryClient, DirectoryError, namespace
 from kvdir.core.config import ConfigError, read_toml
 from kvdir.core.gc_freeze import freeze_startup
 from kvdir.core.security import ClientSecurity, SecurityConfigError
+from kvdir.core.sharded_client import AnyDirectoryClient, directory_client
 from kvdir.directory.config import DirectoryConfig, from_dict, parse_peer
 from kvdir.directory.consensus.tuning import RaftTuning
 from kvdir.directory.limits import WatchLimits
@@ -250,6 +251,14 @@ def _client(args: argparse.Namespace) -> DirectoryClient:
     return DirectoryClient(addrs, timeout_s=args.timeout, security=secflags.client_security(args))
 
 
+def _reader(args: argparse.Namespace) -> AnyDirectoryClient:
+    """`--sharded`: --addr is the shard home (g0), and reads go to every group by the
+    map and are merged, as an agent's are; else one group, the replicas at --addr."""
+    addrs = [a.strip() for a in args.addr.split(",") if a.strip()]
+    security = secflags.client_security(args)
+    return directory_client(addrs, addrs if args.sharded else [], args.timeout, security)
+
+
 def _print(args: argparse.Namespace, obj: Any, text: Callable[[], str]) -> None:
     if args.json:
         from google.protobuf.json_format import MessageToDict
@@ -413,7 +422,7 @@ def cmd_wait_ready(args: argparse.Namespace) -> int:
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
-    with _client(args) as c:
+    with _reader(args) as c:
         resp = c.list_nodes()
 
     def text() -> str:
@@ -444,7 +453,7 @@ def cmd_lookup(args: argparse.Namespace) -> int:
     ns = namespace(
         args.model, args.block_tokens, args.dtype, args.layout, args.tp_rank, args.tp_size
     )
-    with _client(args) as c:
+    with _reader(args) as c:
         resp = c.lookup(
             ns,
             _chain(args),
@@ -714,6 +723,13 @@ def build_parser(with_benchmarks: bool = True) -> argparse.ArgumentParser:
         c.add_argument("--json", action="store_true")
         secflags.add_client_flags(c)
         c.set_defaults(func=func)
+        if name != "status":  # status is per replica: `ctl shards` shows every group's
+            c.add_argument(
+                "--sharded",
+                action="store_true",
+                help="--addr is the shard home (group g0): ask every group by the shard "
+                "map and merge the answers (docs/sharding.md)",
+            )
         if name == "lookup":
             c.add_argument("--model", required=True)
             c.add_argument("--block-tokens", type=int, required=True)

@@ -11,6 +11,7 @@ restart of all of g0's replicas from the journal and from a snapshot.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -448,6 +449,34 @@ def test_the_map_survives_restarts_of_g0_from_journal_and_snapshot(
     for r in g0.replicas:
         assert shard_wire.from_pb(get_map(r.grpc_address).map) == m
     assert os.path.isdir(g0.replicas[0].data_dir)
+
+
+def test_ctl_lookup_and_nodes_with_sharded_merge_every_group(sharded: ShardedCluster) -> None:
+    """`kvdir ctl lookup --sharded` routes a chain whose blocks live in both groups by the
+    map and merges the answers; without it the home group alone refuses the blocks it
+    does not own, in one line."""
+    m = current_map(sharded)
+    a, b = owned(m, "g0", 6, 11), owned(m, "g1", 6, 12)
+    chain = [h for pair in zip(a, b, strict=True) for h in pair]  # alternating owners
+    for g in ("g0", "g1"):
+        register(sharded.clusters[g], "ctl-node")
+    publish_routed(sharded, publish_req("ctl-node", a))
+    publish_routed(sharded, publish_req("ctl-node", b))
+    home = ",".join(sharded.home.grpc_addresses)
+    space = ["--model", SPACE.model, "--block-tokens", str(SPACE.block_tokens)]
+    space += ["--dtype", SPACE.dtype, "--layout", SPACE.layout]
+    hashes = ["--hashes", ",".join(h.hex() for h in chain)]
+    out = ctl("lookup", "--sharded", "--addr", home, *space, *hashes, "--json")
+    assert out.returncode == 0, out.stderr
+    matches = json.loads(out.stdout)["matches"]
+    assert [(x["node_id"], x["prefix_blocks"]) for x in matches] == [("ctl-node", len(chain))]
+    nodes = ctl("nodes", "--sharded", "--addr", home, "--json")
+    assert nodes.returncode == 0, nodes.stderr
+    listed = {x["node_id"]: int(x.get("entries", 0)) for x in json.loads(nodes.stdout)["nodes"]}
+    assert listed.get("ctl-node") == len(chain)  # both groups' entries, summed
+    alone = ctl("lookup", "--addr", home, *space, *hashes)
+    assert alone.returncode != 0 and len(alone.stderr.strip().splitlines()) == 1, alone.stderr
+    assert "shard" in alone.stderr, alone.stderr
 
 
 def status(r: Replica) -> pb.ClusterStatusResponse:
