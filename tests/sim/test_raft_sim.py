@@ -105,6 +105,25 @@ def test_regression_seed(seed: int, steps: int) -> None:
     assert res.ok, f"{REGRESSION_SEEDS[(seed, steps)]}\n{res.summary()}"
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="open (issue 29): a leader's only dump predates its own re-addition; the re-added "
+    "follower that installs it adopts a membership without the leader and refuses its link",
+)
+def test_a_follower_installing_a_snapshot_from_its_leader_keeps_the_leader() -> None:
+    """Seed 3427 (2,000 steps), found by the long rerun at 79304ed: 7002 is removed,
+    added back and installs 7003's dump at index 110, whose membership (rightly, for
+    index 110) lacks 7002; pysyncobj's split compaction lets a replica dump only in its
+    own window of every `compaction_min_time_s` (600 s: 7003's window in a simulated
+    run), so 7002 never dumps again. As leader it sends that dump to 7003, just added
+    back; 7003 adopts {7001, 7003}, refuses the link to 7002 (a peer it does not know)
+    and never receives the entries that re-added 7002; with 7001 removed, neither
+    7002 nor 7003 can win an election: stuck, no write lost. Strict: fix the bug, then
+    move this seed into REGRESSION_SEEDS."""
+    res = run_seed(3427, 2000)
+    assert res.ok, res.summary()
+
+
 def test_members_agree_after_a_blackout_that_follows_membership_changes() -> None:
     """Found by the simulator: at a restart pysyncobj took the membership from the
     snapshot and replayed later membership entries only as it applied them (up to
