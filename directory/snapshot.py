@@ -432,6 +432,17 @@ def read(path: str) -> tuple[Table, dict[str, Any], list[RaftEntry]]:
         return load(f, path)
 
 
+def raft_meta_of(path: str) -> dict[str, Any]:
+    """The Raft metadata (membership, labels) the snapshot at `path` holds, without
+    loading its table: a leader checks that a dump names it before sending it."""
+    with open(path, "rb") as f:
+        if f.read(len(MAGIC)) != MAGIC:
+            raise SnapshotError(f"{path} is not a kvdir snapshot")
+        (hlen,) = struct.unpack("<I", _read_exact(f, 4))
+        raft: dict[str, Any] = json.loads(_read_exact(f, hlen)).get("raft", {})
+        return raft
+
+
 def index_of(path: str) -> int:
     """The last log index the snapshot at `path` covers, without loading its table.
 
@@ -541,6 +552,7 @@ __all__ = [
     "freeze",
     "index_of",
     "load",
+    "raft_meta_of",
     "read",
     "restrict",
     "table_of",

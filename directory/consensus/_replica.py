@@ -488,6 +488,9 @@ class Replica(DurableSyncObj):
     def snapshot_index(self, path: str) -> int:
         return snapshot.index_of(path)
 
+    def snapshot_members(self, path: str) -> frozenset[str]:
+        return frozenset(str(a) for a in snapshot.raft_meta_of(path).get("cluster", ()))
+
     def _deserialize(self, path: str) -> tuple[Any, Any, Any]:
         """Load a dump (at start, or one the leader sent): returns pysyncobj's metadata."""
         table, raft, entries = snapshot.read(path)

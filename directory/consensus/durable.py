@@ -96,6 +96,10 @@ class DurableSyncObj(SyncObj):  # type: ignore[misc]
         self.dump_index = 0
         """The last entry of the dump in place; set by the deserializer, `publish_dump`."""
         self.dumps_discarded = 0
+        self._sends_guarded = False
+        self._dump_names_self_at: tuple[int, bool] | None = None
+        """(dump_index, whether that dump's membership names this replica)."""
+        self._split_paused = False
         self._membership_replayed = False
         """Whether the first tick (after the dump, if any, loaded) replayed the log's
         membership changes: a member uses the latest membership in its log, but
@@ -116,7 +120,12 @@ class DurableSyncObj(SyncObj):  # type: ignore[misc]
         self._kvdir_acks.release()  # what the last poll appended, then the answers it earned
         if self.read_before_campaigning:
             self._read_before_campaigning()
+        if not self._sends_guarded:
+            self._guard_snapshot_sends()
         super()._onTick(timeToWait)
+        if self._split_paused and not self._SyncObj__forceLogCompaction:
+            self._SyncObj__conf.logCompactionSplit = True  # the dump was asked for
+            self._split_paused = False
         if not self._membership_replayed and not self._SyncObj__needLoadDumpFile:
             self._membership_replayed = True
             applied = int(self._SyncObj__raftLastApplied)
@@ -286,6 +295,55 @@ class DurableSyncObj(SyncObj):  # type: ignore[misc]
     def snapshot_index(self, path: str) -> int:
         """The last entry the snapshot file at `path` covers (the adapter knows its format)."""
         raise NotImplementedError
+
+    def snapshot_members(self, path: str) -> frozenset[str]:
+        """The Raft addresses of the membership the snapshot at `path` holds."""
+        raise NotImplementedError
+
+    def _guard_snapshot_sends(self) -> None:
+        """A leader never starts sending a dump whose membership lacks the leader.
+
+        A replica removed and added back may hold only a dump older than its
+        re-addition (one it installed from the leader of the time; pysyncobj's split
+        compaction lets it dump again only in its own window of every
+        `compaction_min_time_s`). Sent to a follower, that dump's membership
+        (right for its index) replaces the follower's, which then refuses the link
+        to the leader, a peer it does not know, and never receives the entries that
+        would add it back (seed 3427: with the third member removed, no election
+        could be won again). The leader dumps now instead, outside its window (its
+        own dumps always name it), and sends that one; until it is in place the
+        follower gets what pysyncobj sends while a dump is being written. Raft
+        thread (pysyncobj asks for the data while it sends appends)."""
+        serializer = self._SyncObj__serializer
+        send = serializer.getTransmissionData
+
+        def guarded(node: Any) -> Any:
+            if node not in serializer._Serializer__transmissions and not self._dump_names_self():
+                if not self._split_paused:
+                    log.info(
+                        "snapshot send held: the dump in place predates this replica's "
+                        "membership; dumping now",
+                        extra={"dump_index": self.dump_index},
+                    )
+                    self._SyncObj__conf.logCompactionSplit = False
+                    self._split_paused = True
+                self._SyncObj__forceLogCompaction = True
+                return None
+            return send(node)
+
+        serializer.getTransmissionData = guarded
+        self._sends_guarded = True
+
+    def _dump_names_self(self) -> bool:
+        index = self.dump_index
+        if self._dump_names_self_at is None or self._dump_names_self_at[0] != index:
+            try:
+                members = self.snapshot_members(self._SyncObj__conf.fullDumpFile)
+            except (OSError, ValueError):
+                return True  # no readable dump: nothing of this kind can be sent
+            me = str(self._SyncObj__selfNode.address)
+            self._dump_names_self_at = (index, me in members)
+        return self._dump_names_self_at[1]
 
     def publish_dump(self, staged: str, index: int) -> bool:
         """Rename a compaction's dump (durable at `staged`) into place, unless older.
