@@ -455,19 +455,21 @@ class EngineService(apb_grpc.EngineServicer):
                     resp.peers.add(
                         node_id=m.node_id, prefix_blocks=m.prefix_blocks, transports=m.transports
                     )
-                resp.ticket = self._ticket(state, request.namespace, found, len(local))
+                resp.ticket, resp.fetch_path = self._ticket(
+                    state, request.namespace, found, len(local)
+                )
         return resp
 
     def _ticket(
         self, state: PoolState, ns: pb.Namespace, matches: Sequence[Holder], local: int
-    ) -> bytes:
-        """The load ticket of the holders a fetch would try, when one holds more than
-        this node's pool (b"" otherwise: nothing to fetch)."""
+    ) -> tuple[bytes, str]:
+        """The load ticket of the holders a fetch would try and the best one's path,
+        when one holds more than this node's pool ((b"", "") otherwise: nothing to fetch)."""
         cands = self.core.fetcher.candidates(matches, state.gpu is not None)
         if not cands or cands[0].blocks <= local:  # blocks: what its path can read
-            return b""
+            return b"", ""
         best = [c.match for c in cands[:TICKET_HOLDERS_MAX]]
-        return self.core.tickets.issue(ns_key(ns), state.pool.epoch, best)
+        return self.core.tickets.issue(ns_key(ns), state.pool.epoch, best), cands[0].path
 
     def Fetch(self, request: apb.FetchRequest, context: grpc.ServicerContext) -> apb.FetchResponse:
         state = self.core.pool_of(request.namespace, context, request.epoch)

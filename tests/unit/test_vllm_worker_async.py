@@ -7,7 +7,11 @@ tests are about the worker's ordering and bookkeeping alone:
 - a save is announced stored only once its copy completed, and an engine that
   takes no further step still gets it announced (the background announcer);
 - a fetched load is reported finished to vLLM before its blocks are announced,
-  and a load takes its slots from the save reserve (no Allocate round trip).
+  and a load takes its slots from the save reserve (no Allocate round trip);
+- a synchronous load (CUDA, same-host sources) is done when `load_now` returns,
+  reports its failed blocks in the same step and never reports the request
+  finished receiving; the scheduler side makes only same-host loads of a CUDA
+  engine synchronous.
 """
 
 from __future__ import annotations
@@ -17,7 +21,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import pytest
+
+from kvdir.agent.engine.vllm.config import ConnectorConfig
 from kvdir.agent.engine.vllm.namespace import KvShape
+from kvdir.agent.engine.vllm.plan import Found
+from kvdir.agent.engine.vllm.scheduler import SchedulerSide
 from kvdir.agent.engine.vllm.seam import Fetched
 from kvdir.agent.engine.vllm.worker import Announce, LoadJob, SaveJob, WorkerSide
 
@@ -85,6 +94,9 @@ class AgentDouble:
         self.stored_log: list[Announce] = []
         self.on_fetch: Any = None
         self.tickets: list[bytes] = []
+        self.valid: int | None = None
+        """Blocks a fetch reports valid (None: all of them)."""
+        self.found = Found()
 
     def available(self) -> bool:
         return True
@@ -102,7 +114,11 @@ class AgentDouble:
         self.tickets.append(ticket)
         if self.on_fetch is not None:
             self.on_fetch()
-        return Fetched(len(slots), "cuda", len(slots) * 1024)
+        v = len(slots) if self.valid is None else self.valid
+        return Fetched(v, "cuda", v * 1024, invalidated=len(slots) - v)
+
+    def lookup(self, chain: Sequence[bytes]) -> Found:
+        return self.found
 
     def stored(self, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
         with self.lock:
@@ -158,3 +174,83 @@ def test_a_fetched_load_finishes_before_its_blocks_are_announced_and_uses_reserv
         assert agent.stored_log[0][0] == (b"a", b"b", b"c")
     finally:
         w.close()
+
+
+def test_a_synchronous_load_lands_before_it_returns_and_reports_only_its_failed_blocks() -> None:
+    w, mover, agent = _worker(reserve=8)
+    try:
+        agent.valid = 1  # the holder's second block was reused during the read
+        job = LoadJob("r3", (b"a", b"b", b"c"), 0, (20, 21, 22), (), ticket=b"T", sync=True)
+        w.load_now(job)
+        assert mover.loaded and mover.loaded[-1][1] == [20]  # landed before returning
+        assert w.finished() == set()  # vLLM never made the request wait: nothing to report
+        assert w.take_errors() == {21, 22}
+        assert w.drain_stats().recomputed_blocks == 2
+    finally:
+        w.close()
+
+
+def test_a_synchronous_load_that_raises_fails_every_block_and_keeps_the_worker() -> None:
+    w, _mover, agent = _worker(reserve=8)
+    try:
+
+        def broken() -> None:
+            raise RuntimeError("a bug in the fetch path")
+
+        agent.on_fetch = broken
+        w.load_now(LoadJob("r4", (b"a", b"b"), 0, (30, 31), (), ticket=b"T", sync=True))
+        assert w.take_errors() == {30, 31} and w.finished() == set()
+        agent.on_fetch = None
+        w.load_now(LoadJob("r5", (b"a",), 0, (32,), (), ticket=b"T", sync=True))
+        assert w.take_errors() == set()
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize(
+    ("device_sync", "path", "pool", "expect_async"),
+    [
+        (True, "cuda", 0, False),  # a same-host GPU: before the forward pass
+        (True, "host", 0, True),  # over the network: a step ahead
+        (True, "", 3, False),  # this node's pool only
+        (False, "cuda", 0, True),  # a CPU engine: always a step ahead
+    ],
+)
+def test_only_same_host_loads_of_a_cuda_engine_are_synchronous(
+    device_sync: bool, path: str, pool: int, expect_async: bool
+) -> None:
+    agent = AgentDouble()
+    chain = [bytes([i]) * 8 for i in range(6)]
+    agent.found = Found(tuple(range(pool)), 0 if pool else 6, True, b"T" if not pool else b"", path)
+    cfg = ConnectorConfig(skip_slow_pulls=False)
+    s = SchedulerSide(agent, cfg, 16, 1024, sync_device=device_sync)  # type: ignore[arg-type]
+    try:
+        tokens = None
+        for _ in range(100):  # the lookup runs on the scheduler side's pool
+            tokens = s.matched("q", chain, 6 * 16 + 5, 0)
+            if tokens is not None:
+                break
+        assert tokens and tokens > 0
+        assert s.loads_async("q") is expect_async
+        s.allocated("q", chain, list(range(100, 107)), tokens)
+        (job,) = s.step({}, lambda _: None).loads
+        assert job.sync is not expect_async
+    finally:
+        s._pool.shutdown(wait=True)
+
+
+def test_sync_loads_off_keeps_every_load_asynchronous() -> None:
+    agent = AgentDouble()
+    agent.found = Found((), 6, True, b"T", "cuda")
+    cfg = ConnectorConfig(skip_slow_pulls=False, sync_loads=False)
+    s = SchedulerSide(agent, cfg, 16, 1024, sync_device=True)  # type: ignore[arg-type]
+    try:
+        chain = [bytes([i]) * 8 for i in range(6)]
+        tokens = None
+        for _ in range(100):
+            tokens = s.matched("q", chain, 6 * 16 + 5, 0)
+            if tokens is not None:
+                break
+        assert tokens and s.loads_async("q")
+    finally:
+        s._pool.shutdown(wait=True)

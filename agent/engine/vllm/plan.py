@@ -32,6 +32,8 @@ class Found:
     ticket: bytes = b""
     """The agent's load ticket for the peer part (opaque; its Fetch reads on it
     without a second directory lookup). Empty: no peer holds more than the pool."""
+    path: str = ""
+    """The path the ticket's best holder is read over (agent/holders.py), "" without one."""
 
     @property
     def pool_blocks(self) -> int:

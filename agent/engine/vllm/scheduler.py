@@ -8,6 +8,14 @@ agent or directory that is down therefore costs a request at most
 lookup_timeout_ms of waiting (then agent_retry_s of immediate zeros), and
 never blocks the scheduler loop longer than lookup_wait_ms per call. The
 answer is cached per request, so repeated calls are free and consistent.
+
+`loads_async` says how a planned load runs. On a CUDA engine (`sync_device`)
+a load whose sources are all on this host (this node's pool, a same-host GPU
+read over CUDA IPC: milliseconds of device copies) runs in the step that
+schedules the request, before its forward pass; vLLM recomputes what fails
+validation in that same step's place. A load over the network (tcp, rdma:
+hundreds of milliseconds) stays asynchronous: the request waits in
+WAITING_FOR_REMOTE_KVS while other requests keep running.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ log = logging.getLogger("kvdir.vllm")
 
 LOOKUP_THREADS = 2
 PENDING_LOOKUPS_MAX = 1024
+SYNC_PATHS = frozenset({"cuda"})
+"""Peer paths (agent/holders.py) short enough to load before the forward pass."""
 
 
 @dataclass(slots=True)
@@ -70,9 +80,12 @@ class SchedulerSide:
         block_tokens: int,
         block_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        sync_device: bool = False,
     ) -> None:
         self.seam = seam
         self.cfg = cfg
+        self.sync_device = sync_device and cfg.sync_loads
+        """Same-host loads run before the forward pass (a CUDA engine, sync_loads on)."""
         self.block_tokens = block_tokens
         self.block_bytes = block_bytes
         self.cost = PullCost()
@@ -83,6 +96,8 @@ class SchedulerSide:
         self._pool = ThreadPoolExecutor(LOOKUP_THREADS, thread_name_prefix="kvdir-lookup")
         self._pending: dict[str, _Pending] = {}
         self._found: dict[str, Found] = {}
+        self._lookup_s: dict[str, float] = {}
+        """Per request: how long its lookup took as the scheduler saw it (logged once)."""
         self._plans: dict[str, tuple[LoadPlan, Found]] = {}
         self._loads: list[LoadJob] = []
         self._attempted: set[str] = set()
@@ -112,9 +127,12 @@ class SchedulerSide:
                 self._pool.submit(self._lookup, tuple(chain)), self.clock()
             )
         try:
-            return self._settle(req_id, p.future.result(self.cfg.lookup_wait_ms / 1000))
+            got = p.future.result(self.cfg.lookup_wait_ms / 1000)
         except TimeoutError:
             pass
+        else:
+            self._lookup_s[req_id] = self.clock() - p.started
+            return self._settle(req_id, got)
         if self.clock() - p.started >= self.cfg.lookup_timeout_ms / 1000:
             self.counts.timeouts += 1
             return self._settle(req_id, NOTHING)
@@ -155,17 +173,29 @@ class SchedulerSide:
         if req_id not in self._plans:
             log.info(
                 "kvdir lookup: request %s, %d blocks, vLLM has %d tokens, pool %d blocks, "
-                "peers %d blocks (%s): load %d tokens",
+                "peers %d blocks (%s in %.2f ms, path %s): load %d tokens%s",
                 req_id,
                 len(chain),
                 computed_tokens,
                 found.pool_blocks,
                 found.peer_blocks,
                 "answered" if found.answered else "no answer",
+                self._lookup_s.pop(req_id, 0.0) * 1e3,
+                found.path or "-",
                 plan.tokens,
+                " before the forward pass" if plan.tokens and self._sync(plan, found) else "",
             )
         self._plans[req_id] = (plan, found)
         return plan.tokens
+
+    def loads_async(self, req_id: str) -> bool:
+        """Whether the request's planned load runs a step ahead of it (False: in
+        its own step, before the forward pass; see the module docstring)."""
+        entry = self._plans.get(req_id)
+        return entry is None or not self._sync(*entry)
+
+    def _sync(self, plan: LoadPlan, found: Found) -> bool:
+        return self.sync_device and (plan.peer_blocks == 0 or found.path in SYNC_PATHS)
 
     # ------------------------------------------------------- allocation
 
@@ -191,6 +221,7 @@ class SchedulerSide:
             block_ids=tuple(block_ids[plan.start_block : end]),
             pool_slots=found.pool_slots,
             ticket=found.ticket if plan.peer_blocks > 0 else b"",
+            sync=self._sync(plan, found),
         )
         self._loads.append(job)
         self._attempted.add(req_id)
@@ -232,6 +263,7 @@ class SchedulerSide:
 
     def finished(self, req_id: str) -> None:
         self._found.pop(req_id, None)
+        self._lookup_s.pop(req_id, None)
         self._pending.pop(req_id, None)
         self._plans.pop(req_id, None)
         self._pull_ok.pop(req_id, None)

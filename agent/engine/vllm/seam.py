@@ -193,7 +193,9 @@ class AgentSeam:
         except EngineError as e:
             raise self._failed(e) from e
         peer = max((p.prefix_blocks for p in resp.peers), default=0)
-        return Found(tuple(resp.local_slots), peer, answered=True, ticket=resp.ticket)
+        return Found(
+            tuple(resp.local_slots), peer, answered=True, ticket=resp.ticket, path=resp.fetch_path
+        )
 
     def reserve(self, count: int) -> list[int]:
         client = self.attach()

@@ -1,6 +1,9 @@
 """Worker side: validated loads into vLLM's blocks, and saves into the node's pool.
 
-Load (a background thread per worker; the forward pass never waits on it):
+Load: asynchronous ones on a background thread (the request waits a step;
+the forward pass never waits on them), synchronous ones (`load_now`: a CUDA
+engine's same-host sources) on the engine's thread before the step's forward
+pass, their failed blocks reported in the same step. Either way:
 1. blocks this node's pool holds are copied pool -> vLLM blocks seqlock style:
    slot headers read before and after the copy must be equal, STORED, with the
    block's hash; the first block that fails ends the local part;
@@ -87,6 +90,8 @@ class LoadJob:
     """This node's pool slots of the chain's leading blocks (from the lookup)."""
     ticket: bytes = b""
     """The lookup's load ticket: the peer part is fetched on it, with no second lookup."""
+    sync: bool = False
+    """Loaded by `load_now` before the step's forward pass (vLLM was told: not async)."""
 
     @property
     def end_block(self) -> int:
@@ -194,6 +199,21 @@ class WorkerSide:
             self._jobs.put_nowait(job)
         except queue.Full:
             self._done.put((job.req_id, list(job.block_ids)))
+
+    def load_now(self, job: LoadJob) -> None:
+        """Load on the calling thread (the engine's, before the forward pass that reads
+        the blocks): the bytes landed and were validated on return. Blocks not loaded
+        go to `take_errors` of this step; the request is not reported finished
+        receiving (vLLM never made it wait), so vLLM discards this step's output
+        for it and recomputes from its first failed block."""
+        try:
+            bad = self._load(job)
+        except Exception:  # a bug here must cost a recompute, never the engine
+            log.exception("kvdir load failed; vLLM recomputes", extra={"req": job.req_id})
+            bad = list(job.block_ids)
+        with self._stats_lock:
+            self.stats.recomputed_blocks += len(bad)
+        self._errors.update(bad)
 
     def finished(self) -> set[str]:
         """Requests whose loads ended since the last call; their failed blocks

@@ -661,6 +661,7 @@ class EngineLookupResponse(_message.Message):
     PEERS_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     TICKET_FIELD_NUMBER: _builtins.int
+    FETCH_PATH_FIELD_NUMBER: _builtins.int
     local_blocks: _builtins.int
     """leading blocks already in this node's pool"""
     epoch: _builtins.int
@@ -670,6 +671,12 @@ class EngineLookupResponse(_message.Message):
     holds more of the chain than this node's pool: hand it back in
     FetchRequest.ticket and the agent reads without asking the directory
     again. Opaque to the engine; empty when no peer holds more.
+    """
+    fetch_path: _builtins.str
+    """The path a Fetch on `ticket` reads its best holder over (agent/holders.py:
+    "cuda" same-host GPU, "rdma-gpu", "host"); empty without a ticket. A
+    same-host device-to-device read is short enough for the engine to load it
+    before the step's forward pass instead of a step later.
     """
     @_builtins.property
     def local_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
@@ -685,10 +692,11 @@ class EngineLookupResponse(_message.Message):
         peers: _abc.Iterable[Global___PeerPrefix] | None = ...,
         epoch: _builtins.int = ...,
         ticket: _builtins.bytes = ...,
+        fetch_path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "local_blocks", b"local_blocks", "local_slots", b"local_slots", "peers", b"peers", "ticket", b"ticket"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "fetch_path", b"fetch_path", "local_blocks", b"local_blocks", "local_slots", b"local_slots", "peers", b"peers", "ticket", b"ticket"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
