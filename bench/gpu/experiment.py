@@ -31,6 +31,7 @@ NVLink multicast stays off in the nodes' environment (NCCL_NVLS_ENABLE=0 etc.).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -94,6 +95,11 @@ class NodeProc:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        self.sel.close()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):  # a dead node's stdin may be broken
+                    pipe.close()
 
 
 def parse_run(text: str) -> tuple[str, int, list[int]]:

@@ -8,10 +8,10 @@ tests are about the worker's ordering and bookkeeping alone:
   takes no further step still gets it announced (the background announcer);
 - a fetched load is reported finished to vLLM before its blocks are announced,
   and a load takes its slots from the save reserve (no Allocate round trip);
-- a synchronous load (CUDA, same-host sources) is done when `load_now` returns,
-  reports its failed blocks in the same step and never reports the request
-  finished receiving; the scheduler side makes only same-host loads of a CUDA
-  engine synchronous.
+- an inline load (CUDA, same-host sources) is done when `load_now` returns and
+  the same step reports the request finished with its failed blocks; the
+  scheduler side inlines only same-host loads of a CUDA engine, and vLLM is
+  told every load is asynchronous.
 """
 
 from __future__ import annotations
@@ -176,21 +176,21 @@ def test_a_fetched_load_finishes_before_its_blocks_are_announced_and_uses_reserv
         w.close()
 
 
-def test_a_synchronous_load_lands_before_it_returns_and_reports_only_its_failed_blocks() -> None:
+def test_an_inline_load_lands_before_it_returns_and_this_step_reports_it() -> None:
     w, mover, agent = _worker(reserve=8)
     try:
         agent.valid = 1  # the holder's second block was reused during the read
-        job = LoadJob("r3", (b"a", b"b", b"c"), 0, (20, 21, 22), (), ticket=b"T", sync=True)
+        job = LoadJob("r3", (b"a", b"b", b"c"), 0, (20, 21, 22), (), ticket=b"T", inline=True)
         w.load_now(job)
         assert mover.loaded and mover.loaded[-1][1] == [20]  # landed before returning
-        assert w.finished() == set()  # vLLM never made the request wait: nothing to report
+        assert w.finished() == {"r3"}  # this step reports it: the request runs next step
         assert w.take_errors() == {21, 22}
         assert w.drain_stats().recomputed_blocks == 2
     finally:
         w.close()
 
 
-def test_a_synchronous_load_that_raises_fails_every_block_and_keeps_the_worker() -> None:
+def test_an_inline_load_that_raises_fails_every_block_and_keeps_the_worker() -> None:
     w, _mover, agent = _worker(reserve=8)
     try:
 
@@ -198,32 +198,20 @@ def test_a_synchronous_load_that_raises_fails_every_block_and_keeps_the_worker()
             raise RuntimeError("a bug in the fetch path")
 
         agent.on_fetch = broken
-        w.load_now(LoadJob("r4", (b"a", b"b"), 0, (30, 31), (), ticket=b"T", sync=True))
-        assert w.take_errors() == {30, 31} and w.finished() == set()
+        w.load_now(LoadJob("r4", (b"a", b"b"), 0, (30, 31), (), ticket=b"T", inline=True))
+        assert w.finished() == {"r4"} and w.take_errors() == {30, 31}
         agent.on_fetch = None
-        w.load_now(LoadJob("r5", (b"a",), 0, (32,), (), ticket=b"T", sync=True))
-        assert w.take_errors() == set()
+        w.load_now(LoadJob("r5", (b"a",), 0, (32,), (), ticket=b"T", inline=True))
+        assert w.finished() == {"r5"} and w.take_errors() == set()
     finally:
         w.close()
 
 
-@pytest.mark.parametrize(
-    ("device_sync", "path", "pool", "expect_async"),
-    [
-        (True, "cuda", 0, False),  # a same-host GPU: before the forward pass
-        (True, "host", 0, True),  # over the network: a step ahead
-        (True, "", 3, False),  # this node's pool only
-        (False, "cuda", 0, True),  # a CPU engine: always a step ahead
-    ],
-)
-def test_only_same_host_loads_of_a_cuda_engine_are_synchronous(
-    device_sync: bool, path: str, pool: int, expect_async: bool
-) -> None:
+def _planned(cfg: ConnectorConfig, found: Found, inline_device: bool) -> LoadJob:
     agent = AgentDouble()
+    agent.found = found
     chain = [bytes([i]) * 8 for i in range(6)]
-    agent.found = Found(tuple(range(pool)), 0 if pool else 6, True, b"T" if not pool else b"", path)
-    cfg = ConnectorConfig(skip_slow_pulls=False)
-    s = SchedulerSide(agent, cfg, 16, 1024, sync_device=device_sync)  # type: ignore[arg-type]
+    s = SchedulerSide(agent, cfg, 16, 1024, inline_device=inline_device)  # type: ignore[arg-type]
     try:
         tokens = None
         for _ in range(100):  # the lookup runs on the scheduler side's pool
@@ -231,26 +219,30 @@ def test_only_same_host_loads_of_a_cuda_engine_are_synchronous(
             if tokens is not None:
                 break
         assert tokens and tokens > 0
-        assert s.loads_async("q") is expect_async
         s.allocated("q", chain, list(range(100, 107)), tokens)
         (job,) = s.step({}, lambda _: None).loads
-        assert job.sync is not expect_async
+        return job
     finally:
         s._pool.shutdown(wait=True)
 
 
-def test_sync_loads_off_keeps_every_load_asynchronous() -> None:
-    agent = AgentDouble()
-    agent.found = Found((), 6, True, b"T", "cuda")
-    cfg = ConnectorConfig(skip_slow_pulls=False, sync_loads=False)
-    s = SchedulerSide(agent, cfg, 16, 1024, sync_device=True)  # type: ignore[arg-type]
-    try:
-        chain = [bytes([i]) * 8 for i in range(6)]
-        tokens = None
-        for _ in range(100):
-            tokens = s.matched("q", chain, 6 * 16 + 5, 0)
-            if tokens is not None:
-                break
-        assert tokens and s.loads_async("q")
-    finally:
-        s._pool.shutdown(wait=True)
+@pytest.mark.parametrize(
+    ("inline_device", "path", "pool", "inline"),
+    [
+        (True, "cuda", 0, True),  # a same-host GPU: on the engine's thread
+        (True, "host", 0, False),  # over the network: on the load thread
+        (True, "", 3, True),  # this node's pool only
+        (False, "cuda", 0, False),  # a CPU engine: always on the load thread
+    ],
+)
+def test_only_same_host_loads_of_a_cuda_engine_are_inline(
+    inline_device: bool, path: str, pool: int, inline: bool
+) -> None:
+    found = Found(tuple(range(pool)), 0 if pool else 6, True, b"" if pool else b"T", path)
+    job = _planned(ConnectorConfig(skip_slow_pulls=False), found, inline_device)
+    assert job.inline is inline
+
+
+def test_inline_loads_off_keeps_every_load_on_the_load_thread() -> None:
+    cfg = ConnectorConfig(skip_slow_pulls=False, inline_loads=False)
+    assert not _planned(cfg, Found((), 6, True, b"T", "cuda"), True).inline

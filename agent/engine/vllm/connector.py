@@ -9,15 +9,14 @@ This adapter holds vLLM and translates: SchedulerSide (scheduler.py) plans,
 WorkerSide (worker.py) moves bytes, AgentSeam (seam.py) talks to the agent.
 Contracts kept (vllm/distributed/kv_transfer/kv_connector/v1/base.py):
 get_num_new_matched_tokens is side-effect free for vLLM (it only caches a
-lookup) and returns None while a lookup is pending; loads over the network
-are asynchronous (the request waits in WAITING_FOR_REMOTE_KVS, the forward
-pass never waits) and their failed blocks are reported no later than the step
-that reports the request finished receiving; on CUDA, loads from this host
-(the node's pool, a same-host GPU over CUDA IPC) are synchronous: done and
-validated in start_load_kv, before the forward pass, and their failed blocks
-reported by the same step (vLLM then discards that step's output for the
-request and recomputes). Saves are queued in wait_for_save and their slots
-announced only once the copies completed.
+lookup) and returns None while a lookup is pending; loads are asynchronous
+(the request waits in WAITING_FOR_REMOTE_KVS, the forward pass never waits)
+and their failed blocks are reported no later than the step
+that reports the request finished receiving (on CUDA, loads from this host
+are done inline in start_load_kv and reported by that same step: see
+scheduler.py for why they are not vLLM's synchronous loads). Saves are
+queued in wait_for_save and their slots announced only once the copies
+completed.
 """
 
 from __future__ import annotations
@@ -158,7 +157,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.cfg,
                 self.block_tokens,
                 self.shape.block_bytes,
-                sync_device=self.shape.device == "cuda",
+                inline_device=self.shape.device == "cuda",
             )
         self._attach_early()
         log.info("kvdir connector ready", extra={"layout": self.ns.layout, "role": str(role)})
@@ -193,7 +192,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
         )
         if tokens is None:
             return None, False
-        return tokens, tokens > 0 and self.sched.loads_async(request.request_id)
+        return tokens, tokens > 0
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self.sched is not None
@@ -371,18 +370,17 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
         worker = self._start_worker() if step.loads else None
         for job in step.loads:
             if worker is None:  # no agent: report at once, vLLM recomputes
-                if not job.sync:  # a synchronous load's request never waited
-                    self._unloaded.add(job.req_id)
+                self._unloaded.add(job.req_id)
                 self._unloaded_blocks.update(job.block_ids)
-            elif job.sync:
+            elif job.inline:
                 worker.load_now(job)
             else:
                 worker.submit(job)
-        # Timed from here: a synchronous load is not prefill (the cost model's rate).
+        # Timed from here: an inline load is not prefill (the cost model's rate).
         self._step_timer.start(step.tokens)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # synchronous loads landed in start_load_kv; async ones are not in this pass
+        return  # loads are asynchronous: a loading request is not in the forward pass
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any

@@ -9,13 +9,17 @@ lookup_timeout_ms of waiting (then agent_retry_s of immediate zeros), and
 never blocks the scheduler loop longer than lookup_wait_ms per call. The
 answer is cached per request, so repeated calls are free and consistent.
 
-`loads_async` says how a planned load runs. On a CUDA engine (`sync_device`)
-a load whose sources are all on this host (this node's pool, a same-host GPU
-read over CUDA IPC: milliseconds of device copies) runs in the step that
-schedules the request, before its forward pass; vLLM recomputes what fails
-validation in that same step's place. A load over the network (tcp, rdma:
-hundreds of milliseconds) stays asynchronous: the request waits in
-WAITING_FOR_REMOTE_KVS while other requests keep running.
+Every load is asynchronous for vLLM (the request waits in
+WAITING_FOR_REMOTE_KVS). On a CUDA engine (`inline_device`) a load whose
+sources are all on this host (this node's pool, a same-host GPU read over CUDA
+IPC: milliseconds of device copies) is done on the engine's thread as the step
+that allocated it starts, and reported finished by that same step, so the
+request runs in the next one; a load over the network (tcp, rdma: hundreds
+of milliseconds) runs on the worker's load thread while other requests keep
+running. Not vLLM's synchronous loads: vLLM 0.24 schedules the next step
+before it learns that a synchronous load failed (async scheduling, its
+default), and on the H200 a request whose synchronous load failed validation
+then answered differently from recompute (bench/results/vllm-gpu-*.md).
 """
 
 from __future__ import annotations
@@ -44,8 +48,8 @@ log = logging.getLogger("kvdir.vllm")
 
 LOOKUP_THREADS = 2
 PENDING_LOOKUPS_MAX = 1024
-SYNC_PATHS = frozenset({"cuda"})
-"""Peer paths (agent/holders.py) short enough to load before the forward pass."""
+INLINE_PATHS = frozenset({"cuda"})
+"""Peer paths (agent/holders.py) short enough to load on the engine's thread."""
 
 
 @dataclass(slots=True)
@@ -80,12 +84,12 @@ class SchedulerSide:
         block_tokens: int,
         block_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
-        sync_device: bool = False,
+        inline_device: bool = False,
     ) -> None:
         self.seam = seam
         self.cfg = cfg
-        self.sync_device = sync_device and cfg.sync_loads
-        """Same-host loads run before the forward pass (a CUDA engine, sync_loads on)."""
+        self.inline_device = inline_device and cfg.inline_loads
+        """Same-host loads run on the engine's thread (a CUDA engine, inline_loads on)."""
         self.block_tokens = block_tokens
         self.block_bytes = block_bytes
         self.cost = PullCost()
@@ -183,19 +187,14 @@ class SchedulerSide:
                 self._lookup_s.pop(req_id, 0.0) * 1e3,
                 found.path or "-",
                 plan.tokens,
-                " before the forward pass" if plan.tokens and self._sync(plan, found) else "",
+                " inline" if plan.tokens and self._inline(plan, found) else "",
             )
         self._plans[req_id] = (plan, found)
         return plan.tokens
 
-    def loads_async(self, req_id: str) -> bool:
-        """Whether the request's planned load runs a step ahead of it (False: in
-        its own step, before the forward pass; see the module docstring)."""
-        entry = self._plans.get(req_id)
-        return entry is None or not self._sync(*entry)
-
-    def _sync(self, plan: LoadPlan, found: Found) -> bool:
-        return self.sync_device and (plan.peer_blocks == 0 or found.path in SYNC_PATHS)
+    def _inline(self, plan: LoadPlan, found: Found) -> bool:
+        """Whether this load runs on the engine's thread (see the module docstring)."""
+        return self.inline_device and (plan.peer_blocks == 0 or found.path in INLINE_PATHS)
 
     # ------------------------------------------------------- allocation
 
@@ -221,7 +220,7 @@ class SchedulerSide:
             block_ids=tuple(block_ids[plan.start_block : end]),
             pool_slots=found.pool_slots,
             ticket=found.ticket if plan.peer_blocks > 0 else b"",
-            sync=self._sync(plan, found),
+            inline=self._inline(plan, found),
         )
         self._loads.append(job)
         self._attempted.add(req_id)

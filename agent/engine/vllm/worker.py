@@ -1,9 +1,9 @@
 """Worker side: validated loads into vLLM's blocks, and saves into the node's pool.
 
-Load: asynchronous ones on a background thread (the request waits a step;
-the forward pass never waits on them), synchronous ones (`load_now`: a CUDA
-engine's same-host sources) on the engine's thread before the step's forward
-pass, their failed blocks reported in the same step. Either way:
+Load (asynchronous for vLLM: the request waits in WAITING_FOR_REMOTE_KVS and
+the forward pass never reads blocks still loading): on a background thread,
+or inline (`load_now`: a CUDA engine's same-host sources, milliseconds) on the
+engine's thread as the step starts, reported finished by that same step:
 1. blocks this node's pool holds are copied pool -> vLLM blocks seqlock style:
    slot headers read before and after the copy must be equal, STORED, with the
    block's hash; the first block that fails ends the local part;
@@ -90,8 +90,8 @@ class LoadJob:
     """This node's pool slots of the chain's leading blocks (from the lookup)."""
     ticket: bytes = b""
     """The lookup's load ticket: the peer part is fetched on it, with no second lookup."""
-    sync: bool = False
-    """Loaded by `load_now` before the step's forward pass (vLLM was told: not async)."""
+    inline: bool = False
+    """Loaded by `load_now` on the engine's thread (same-host sources on CUDA)."""
 
     @property
     def end_block(self) -> int:
@@ -201,11 +201,13 @@ class WorkerSide:
             self._done.put((job.req_id, list(job.block_ids)))
 
     def load_now(self, job: LoadJob) -> None:
-        """Load on the calling thread (the engine's, before the forward pass that reads
-        the blocks): the bytes landed and were validated on return. Blocks not loaded
-        go to `take_errors` of this step; the request is not reported finished
-        receiving (vLLM never made it wait), so vLLM discards this step's output
-        for it and recomputes from its first failed block."""
+        """Load on the calling thread (the engine's, as a step starts): the bytes
+        landed and were validated on return, and this step's `finished` reports
+        the request with its failed blocks (vLLM recomputes them), so it runs in
+        the next step with no wait on the load thread."""
+        self._run(job)
+
+    def _run(self, job: LoadJob) -> None:
         try:
             bad = self._load(job)
         except Exception:  # a bug here must cost a recompute, never the engine
@@ -213,7 +215,7 @@ class WorkerSide:
             bad = list(job.block_ids)
         with self._stats_lock:
             self.stats.recomputed_blocks += len(bad)
-        self._errors.update(bad)
+        self._done.put((job.req_id, bad))
 
     def finished(self) -> set[str]:
         """Requests whose loads ended since the last call; their failed blocks
@@ -237,14 +239,7 @@ class WorkerSide:
             job = self._jobs.get()
             if job is None:
                 return
-            try:
-                bad = self._load(job)
-            except Exception:  # a bug here must cost a recompute, never the engine
-                log.exception("kvdir load failed; vLLM recomputes", extra={"req": job.req_id})
-                bad = list(job.block_ids)
-            with self._stats_lock:
-                self.stats.recomputed_blocks += len(bad)
-            self._done.put((job.req_id, bad))
+            self._run(job)
             self._announce()  # after the request may run: announcing never delays it
 
     def _load(self, job: LoadJob) -> list[int]:
