@@ -134,6 +134,11 @@ class PeerCache:
         for peer in peers:
             peer.close()
 
+    def cached(self, node_id: str, endpoint: str) -> Peer | None:
+        """The peer if already handshaken (never a round trip)."""
+        with self.lock:
+            return self.peers.get((node_id, endpoint))
+
     def get(self, node_id: str, endpoint: str) -> Peer:
         """The cached peer, else a fresh handshake. The handshake runs outside
         the lock (it is a network round trip), so two fetches can race to it:
@@ -272,6 +277,16 @@ class Fetcher:
         )
         healthy = [self.peers.healthy(m.node_id) for m in matches]
         return holders.rank(matches, reader, healthy, self.rng)
+
+    def read_over(self, cand: holders.Candidate) -> str:
+        """What a fetch from `cand` would read over: its device path ("cuda",
+        "rdma-gpu"), or for the host path the transport of the channel already
+        open to that peer ("shm", "tcp", "rdma"); "host" before the first fetch
+        opened one (no round trip is made here to learn it)."""
+        if cand.path != holders.HOST:
+            return cand.path
+        peer = self.peers.cached(cand.match.node_id, cand.match.agent_endpoint)
+        return peer.transport if peer is not None else holders.HOST
 
     def _pull(
         self,

@@ -469,7 +469,8 @@ class EngineService(apb_grpc.EngineServicer):
         if not cands or cands[0].blocks <= local:  # blocks: what its path can read
             return b"", ""
         best = [c.match for c in cands[:TICKET_HOLDERS_MAX]]
-        return self.core.tickets.issue(ns_key(ns), state.pool.epoch, best), cands[0].path
+        ticket = self.core.tickets.issue(ns_key(ns), state.pool.epoch, best)
+        return ticket, self.core.fetcher.read_over(cands[0])
 
     def Fetch(self, request: apb.FetchRequest, context: grpc.ServicerContext) -> apb.FetchResponse:
         state = self.core.pool_of(request.namespace, context, request.epoch)

@@ -8,9 +8,9 @@ tests are about the worker's ordering and bookkeeping alone:
   takes no further step still gets it announced (the background announcer);
 - a fetched load is reported finished to vLLM before its blocks are announced,
   and a load takes its slots from the save reserve (no Allocate round trip);
-- an inline load (CUDA, same-host sources) is done when `load_now` returns and
-  the same step reports the request finished with its failed blocks; the
-  scheduler side inlines only same-host loads of a CUDA engine, and vLLM is
+- an inline load (same-host sources) is done when `load_now` returns and the
+  same step reports the request finished with its failed blocks; the
+  scheduler side inlines only same-host loads (pool, cuda, shm), and vLLM is
   told every load is asynchronous.
 """
 
@@ -207,11 +207,11 @@ def test_an_inline_load_that_raises_fails_every_block_and_keeps_the_worker() -> 
         w.close()
 
 
-def _planned(cfg: ConnectorConfig, found: Found, inline_device: bool) -> LoadJob:
+def _planned(cfg: ConnectorConfig, found: Found) -> LoadJob:
     agent = AgentDouble()
     agent.found = found
     chain = [bytes([i]) * 8 for i in range(6)]
-    s = SchedulerSide(agent, cfg, 16, 1024, inline_device=inline_device)  # type: ignore[arg-type]
+    s = SchedulerSide(agent, cfg, 16, 1024)  # type: ignore[arg-type]
     try:
         tokens = None
         for _ in range(100):  # the lookup runs on the scheduler side's pool
@@ -227,22 +227,21 @@ def _planned(cfg: ConnectorConfig, found: Found, inline_device: bool) -> LoadJob
 
 
 @pytest.mark.parametrize(
-    ("inline_device", "path", "pool", "inline"),
+    ("path", "pool", "inline"),
     [
-        (True, "cuda", 0, True),  # a same-host GPU: on the engine's thread
-        (True, "host", 0, False),  # over the network: on the load thread
-        (True, "", 3, True),  # this node's pool only
-        (False, "cuda", 0, False),  # a CPU engine: always on the load thread
+        ("cuda", 0, True),  # a same-host GPU: on the engine's thread
+        ("shm", 0, True),  # a same-host peer's host copy
+        ("tcp", 0, False),  # over the network: on the load thread
+        ("rdma", 0, False),
+        ("host", 0, False),  # the agent has no channel to the holder yet
+        ("", 3, True),  # this node's pool only
     ],
 )
-def test_only_same_host_loads_of_a_cuda_engine_are_inline(
-    inline_device: bool, path: str, pool: int, inline: bool
-) -> None:
+def test_only_same_host_loads_are_inline(path: str, pool: int, inline: bool) -> None:
     found = Found(tuple(range(pool)), 0 if pool else 6, True, b"" if pool else b"T", path)
-    job = _planned(ConnectorConfig(skip_slow_pulls=False), found, inline_device)
-    assert job.inline is inline
+    assert _planned(ConnectorConfig(skip_slow_pulls=False), found).inline is inline
 
 
 def test_inline_loads_off_keeps_every_load_on_the_load_thread() -> None:
     cfg = ConnectorConfig(skip_slow_pulls=False, inline_loads=False)
-    assert not _planned(cfg, Found((), 6, True, b"T", "cuda"), True).inline
+    assert not _planned(cfg, Found((), 6, True, b"T", "cuda")).inline

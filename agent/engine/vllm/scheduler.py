@@ -10,14 +10,15 @@ never blocks the scheduler loop longer than lookup_wait_ms per call. The
 answer is cached per request, so repeated calls are free and consistent.
 
 Every load is asynchronous for vLLM (the request waits in
-WAITING_FOR_REMOTE_KVS). On a CUDA engine (`inline_device`) a load whose
-sources are all on this host (this node's pool, a same-host GPU read over CUDA
-IPC: milliseconds of device copies) is done on the engine's thread as the step
-that allocated it starts, and reported finished by that same step, so the
-request runs in the next one; a load over the network (tcp, rdma: hundreds
-of milliseconds) runs on the worker's load thread while other requests keep
-running. Not vLLM's synchronous loads: vLLM 0.24 schedules the next step
-before it learns that a synchronous load failed (async scheduling, its
+WAITING_FOR_REMOTE_KVS). A load whose sources are all on this host (this
+node's pool; a same-host peer over CUDA IPC or shared memory: copies, not
+network round trips) is done on the engine's thread as the step that
+allocated it starts, and reported finished by that same step, so the request
+runs in the next one without the engine spinning empty steps for it, and
+without its copies contending with the engine for the GIL; a load over the
+network (tcp, rdma) runs on the worker's load thread while other requests
+keep running. Not vLLM's synchronous loads: vLLM 0.24 schedules the next
+step before it learns that a synchronous load failed (async scheduling, its
 default), and on the H200 a request whose synchronous load failed validation
 then answered differently from recompute (bench/results/vllm-gpu-*.md).
 """
@@ -48,8 +49,8 @@ log = logging.getLogger("kvdir.vllm")
 
 LOOKUP_THREADS = 2
 PENDING_LOOKUPS_MAX = 1024
-INLINE_PATHS = frozenset({"cuda"})
-"""Peer paths (agent/holders.py) short enough to load on the engine's thread."""
+INLINE_PATHS = frozenset({"cuda", "shm"})
+"""What a peer is read over (EngineLookupResponse.fetch_path) when a load is inline."""
 
 
 @dataclass(slots=True)
@@ -84,12 +85,9 @@ class SchedulerSide:
         block_tokens: int,
         block_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
-        inline_device: bool = False,
     ) -> None:
         self.seam = seam
         self.cfg = cfg
-        self.inline_device = inline_device and cfg.inline_loads
-        """Same-host loads run on the engine's thread (a CUDA engine, inline_loads on)."""
         self.block_tokens = block_tokens
         self.block_bytes = block_bytes
         self.cost = PullCost()
@@ -194,7 +192,7 @@ class SchedulerSide:
 
     def _inline(self, plan: LoadPlan, found: Found) -> bool:
         """Whether this load runs on the engine's thread (see the module docstring)."""
-        return self.inline_device and (plan.peer_blocks == 0 or found.path in INLINE_PATHS)
+        return self.cfg.inline_loads and (plan.peer_blocks == 0 or found.path in INLINE_PATHS)
 
     # ------------------------------------------------------- allocation
 

@@ -673,10 +673,11 @@ class EngineLookupResponse(_message.Message):
     again. Opaque to the engine; empty when no peer holds more.
     """
     fetch_path: _builtins.str
-    """The path a Fetch on `ticket` reads its best holder over (agent/holders.py:
-    "cuda" same-host GPU, "rdma-gpu", "host"); empty without a ticket. A
-    same-host device-to-device read is short enough for the engine to load it
-    before the step's forward pass instead of a step later.
+    """What a Fetch on `ticket` reads its best holder over: "cuda" (same-host
+    GPU), "rdma-gpu", or for a host copy the transport of the agent's open
+    channel to that holder ("shm", "tcp", "rdma"; "host" before one was
+    opened); empty without a ticket. The engine runs a same-host load
+    (cuda, shm) on its own thread as a step starts, others on a load thread.
     """
     @_builtins.property
     def local_slots(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
