@@ -72,7 +72,15 @@ def _git(*args: str) -> str:
     return out.stdout.strip()
 
 
-PRODUCT_SOURCES = ("directory", "proto", "kvdir/core", "kvdir/local.py", "kvdir/cli.py")
+PRODUCT_SOURCES = (
+    "directory",
+    "proto",
+    "agent",
+    "transfer",
+    "kvdir/core",
+    "kvdir/local.py",
+    "kvdir/cli.py",
+)
 
 
 def source_fingerprint() -> str:
