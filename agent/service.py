@@ -515,10 +515,15 @@ class EngineService(apb_grpc.EngineServicer):
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
             with state.lock:
-                state.fetching.subtract(slots)
+                # One pass in C-level dict calls: Counter.subtract and Counter's own
+                # __delitem__ took ~0.5 ms for a 512-block fetch.
+                fetching = state.fetching
                 for s in slots:
-                    if state.fetching[s] <= 0:
-                        del state.fetching[s]
+                    left = fetching.get(s, 0) - 1
+                    if left > 0:
+                        fetching[s] = left
+                    else:
+                        fetching.pop(s, None)
         m = self.core.metrics
         m.fetch_seconds.observe(r.seconds)
         m.fetches.labels("hit" if r.valid_blocks else "miss").inc()

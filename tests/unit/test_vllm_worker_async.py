@@ -10,8 +10,8 @@ tests are about the worker's ordering and bookkeeping alone:
   and a load takes its slots from the save reserve (no Allocate round trip);
 - an inline load (same-host sources) is done when `load_now` returns and the
   same step reports the request finished with its failed blocks; the
-  scheduler side inlines only same-host loads (pool, cuda, shm), and vLLM is
-  told every load is asynchronous.
+  scheduler side inlines only a CUDA engine's same-host loads (pool, cuda,
+  shm), and vLLM is told every load is asynchronous.
 """
 
 from __future__ import annotations
@@ -207,11 +207,11 @@ def test_an_inline_load_that_raises_fails_every_block_and_keeps_the_worker() -> 
         w.close()
 
 
-def _planned(cfg: ConnectorConfig, found: Found) -> LoadJob:
+def _planned(cfg: ConnectorConfig, found: Found, cuda: bool = True) -> LoadJob:
     agent = AgentDouble()
     agent.found = found
     chain = [bytes([i]) * 8 for i in range(6)]
-    s = SchedulerSide(agent, cfg, 16, 1024)  # type: ignore[arg-type]
+    s = SchedulerSide(agent, cfg, 16, 1024, inline_device=cuda)  # type: ignore[arg-type]
     try:
         tokens = None
         for _ in range(100):  # the lookup runs on the scheduler side's pool
@@ -240,6 +240,12 @@ def _planned(cfg: ConnectorConfig, found: Found) -> LoadJob:
 def test_only_same_host_loads_are_inline(path: str, pool: int, inline: bool) -> None:
     found = Found(tuple(range(pool)), 0 if pool else 6, True, b"" if pool else b"T", path)
     assert _planned(ConnectorConfig(skip_slow_pulls=False), found).inline is inline
+
+
+def test_a_cpu_engine_loads_on_the_load_thread() -> None:
+    cfg = ConnectorConfig(skip_slow_pulls=False)
+    assert not _planned(cfg, Found((), 6, True, b"T", "shm"), cuda=False).inline
+    assert not _planned(cfg, Found((0, 1, 2), 0, True), cuda=False).inline
 
 
 def test_inline_loads_off_keeps_every_load_on_the_load_thread() -> None:

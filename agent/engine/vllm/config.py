@@ -14,10 +14,10 @@ Every key, its default and what it bounds (docs/vllm.md lists them for users)::
                         twice what one step can complete, at most half the pool)
     skip_slow_pulls     skip a peer pull this engine's own measurements say is slower than
                         recomputing the same tokens (its pool's blocks are always read)
-    inline_loads        load what is on this host (this node's pool, a same-host peer
-                        over CUDA IPC or shm) on the engine's thread as the step starts
-                        and report it done in that step; off: on the worker's load
-                        thread, reported by the first step after it completed
+    inline_loads        (CUDA) load what is on this host (this node's pool, a same-host
+                        peer over CUDA IPC or shm) on the engine's thread as the step
+                        starts and report it done in that step; off (and on CPU): on
+                        the worker's load thread, reported by the first step after it
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ get_num_new_matched_tokens is side-effect free for vLLM (it only caches a
 lookup) and returns None while a lookup is pending; loads are asynchronous
 (the request waits in WAITING_FOR_REMOTE_KVS, the forward pass never waits)
 and their failed blocks are reported no later than the step
-that reports the request finished receiving (loads from this host are done
-inline in start_load_kv and reported by that same step: see scheduler.py for
-why they are not vLLM's synchronous loads). Saves are
+that reports the request finished receiving (on CUDA, loads from this host
+are done inline in start_load_kv and reported by that same step: see
+scheduler.py for why they are not vLLM's synchronous loads). Saves are
 queued in wait_for_save and their slots announced only once the copies
 completed.
 """
@@ -157,6 +157,7 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 self.cfg,
                 self.block_tokens,
                 self.shape.block_bytes,
+                inline_device=self.shape.device == "cuda",
             )
         self._attach_early()
         log.info("kvdir connector ready", extra={"layout": self.ns.layout, "role": str(role)})

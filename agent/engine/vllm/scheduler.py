@@ -10,17 +10,20 @@ never blocks the scheduler loop longer than lookup_wait_ms per call. The
 answer is cached per request, so repeated calls are free and consistent.
 
 Every load is asynchronous for vLLM (the request waits in
-WAITING_FOR_REMOTE_KVS). A load whose sources are all on this host (this
-node's pool; a same-host peer over CUDA IPC or shared memory: copies, not
-network round trips) is done on the engine's thread as the step that
-allocated it starts, and reported finished by that same step, so the request
-runs in the next one without the engine spinning empty steps for it, and
-without its copies contending with the engine for the GIL; a load over the
-network (tcp, rdma) runs on the worker's load thread while other requests
-keep running. Not vLLM's synchronous loads: vLLM 0.24 schedules the next
-step before it learns that a synchronous load failed (async scheduling, its
-default), and on the H200 a request whose synchronous load failed validation
-then answered differently from recompute (bench/results/vllm-gpu-*.md).
+WAITING_FOR_REMOTE_KVS). On a CUDA engine (`inline_device`) a load whose
+sources are all on this host (this node's pool; a same-host peer over CUDA
+IPC or shared memory: copies, not network round trips) is done on the
+engine's thread as the step that allocated it starts, and reported finished
+by that same step, so the request runs in the next one without the engine
+spinning empty steps for it; a load over the network (tcp, rdma) runs on the
+worker's load thread while other requests keep running. A CPU engine loads
+on the load thread only: its copies are CPU work, and on vLLM 0.32's CPU
+engine thread they took 4-11x as long as on the load thread (28-89 ms against
+7-8 ms for 4-8 MiB; measured, not explained: that thread runs vLLM's OpenMP
+team). Not vLLM's synchronous loads: vLLM 0.24 schedules the next step before
+it learns that a synchronous load failed (async scheduling, its default), and
+on the H200 a request whose synchronous load failed validation then answered
+differently from recompute (bench/results/vllm-gpu-2026-12-04-sync.md).
 """
 
 from __future__ import annotations
@@ -85,9 +88,12 @@ class SchedulerSide:
         block_tokens: int,
         block_bytes: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        inline_device: bool = False,
     ) -> None:
         self.seam = seam
         self.cfg = cfg
+        self.inline_device = inline_device and cfg.inline_loads
+        """Same-host loads run on the engine's thread (a CUDA engine, inline_loads on)."""
         self.block_tokens = block_tokens
         self.block_bytes = block_bytes
         self.cost = PullCost()
@@ -192,7 +198,7 @@ class SchedulerSide:
 
     def _inline(self, plan: LoadPlan, found: Found) -> bool:
         """Whether this load runs on the engine's thread (see the module docstring)."""
-        return self.cfg.inline_loads and (plan.peer_blocks == 0 or found.path in INLINE_PATHS)
+        return self.inline_device and (plan.peer_blocks == 0 or found.path in INLINE_PATHS)
 
     # ------------------------------------------------------- allocation
 

@@ -2,8 +2,9 @@
 
 Load (asynchronous for vLLM: the request waits in WAITING_FOR_REMOTE_KVS and
 the forward pass never reads blocks still loading): on a background thread,
-or inline (`load_now`: same-host sources, copies rather than round trips) on
-the engine's thread as the step starts, reported finished by that same step:
+or inline (`load_now`: a CUDA engine's same-host sources, device copies rather
+than round trips) on the engine's thread as the step starts, reported
+finished by that same step:
 1. blocks this node's pool holds are copied pool -> vLLM blocks seqlock style:
    slot headers read before and after the copy must be equal, STORED, with the
    block's hash; the first block that fails ends the local part;
@@ -91,7 +92,7 @@ class LoadJob:
     ticket: bytes = b""
     """The lookup's load ticket: the peer part is fetched on it, with no second lookup."""
     inline: bool = False
-    """Loaded by `load_now` on the engine's thread (same-host sources)."""
+    """Loaded by `load_now` on the engine's thread (a CUDA engine's same-host sources)."""
 
     @property
     def end_block(self) -> int:
