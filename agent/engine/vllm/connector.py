@@ -400,7 +400,8 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def _finished_recving(self) -> set[str]:
         done, self._unloaded = self._unloaded, set()
         if self.worker is not None:
-            done |= self.worker.finished()
+            step = self._meta()
+            done |= self.worker.finished(idle_step=step is not None and step.tokens == 0)
         return done
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:

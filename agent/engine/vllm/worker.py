@@ -77,6 +77,14 @@ LOAD_QUEUE_MAX = 4096
 ANNOUNCE_POLL_S = 0.001
 """While saves are in flight (CUDA), how often the announcer looks for completed ones."""
 ANNOUNCE_IDLE_S = 1.0
+IDLE_STEP_WAIT_S = 0.002
+"""How long a step that ran no forward pass waits for a load in flight to finish.
+With only loading requests, vLLM's engine loop takes empty steps back to back;
+each spent in Python, they starve the load thread of the GIL (and of a core on
+small hosts): on 2 cores a 10 ms fetch answered the load thread after ~180 ms.
+Waiting here sleeps the engine thread instead; a load that ends wakes it, so it
+is reported in that same step. A request arriving meanwhile is scheduled at
+most this much later."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +184,8 @@ class WorkerSide:
         self.stats = Stats()
         self._stats_lock = threading.Lock()
         self._jobs: queue.Queue[LoadJob | None] = queue.Queue(LOAD_QUEUE_MAX)
+        self._in_flight = 0
+        """Loads submitted to the load thread and not yet taken from `_done`."""
         self._done: queue.Queue[tuple[str, list[int]]] = queue.Queue()
         self._errors: set[int] = set()
         self._stash: list[int] = []
@@ -196,6 +206,7 @@ class WorkerSide:
 
     def submit(self, job: LoadJob) -> None:
         """Queue a load (never blocks: a full queue fails the job, vLLM recomputes)."""
+        self._in_flight += 1
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
@@ -206,6 +217,7 @@ class WorkerSide:
         landed and were validated on return, and this step's `finished` reports
         the request with its failed blocks (vLLM recomputes them), so it runs in
         the next step with no wait on the load thread."""
+        self._in_flight += 1
         self._run(job)
 
     def _run(self, job: LoadJob) -> None:
@@ -218,16 +230,24 @@ class WorkerSide:
             self.stats.recomputed_blocks += len(bad)
         self._done.put((job.req_id, bad))
 
-    def finished(self) -> set[str]:
+    def finished(self, idle_step: bool = False) -> set[str]:
         """Requests whose loads ended since the last call; their failed blocks
-        go to `take_errors` in the same step."""
+        go to `take_errors` in the same step. `idle_step`: this step ran no
+        forward pass, so with loads in flight and none ended it first waits up
+        to IDLE_STEP_WAIT_S for one to end (see there)."""
         out: set[str] = set()
         self._announce()  # saves whose copies completed since the last step
+        block = idle_step and self._in_flight > 0 and self._done.empty()
         while True:
             try:
-                req_id, bad = self._done.get_nowait()
+                if block:
+                    req_id, bad = self._done.get(timeout=IDLE_STEP_WAIT_S)
+                    block = False
+                else:
+                    req_id, bad = self._done.get_nowait()
             except queue.Empty:
                 return out
+            self._in_flight -= 1
             out.add(req_id)
             self._errors.update(bad)
 
