@@ -253,19 +253,16 @@ def test_inline_loads_off_keeps_every_load_on_the_load_thread() -> None:
     assert not _planned(cfg, Found((), 6, True, b"T", "cuda")).inline
 
 
-def test_an_idle_step_waits_for_a_load_in_flight_and_reports_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    import kvdir.agent.engine.vllm.worker as worker_mod
-
+def test_an_idle_step_waits_for_a_load_in_flight_and_reports_it() -> None:
     w, _mover, agent = _worker(reserve=8)
+    assert w.idle_wait_s == 0.002  # a CUDA engine's (LateMover's shape is cuda)
     release = threading.Event()
     agent.on_fetch = lambda: release.wait(WAIT_S)
     try:
         assert w.finished(idle_step=True) == set()  # nothing in flight: no wait
         w.submit(LoadJob("r6", (b"a", b"b"), 0, (40, 41), (), ticket=b"T"))
         assert w.finished(idle_step=False) == set()  # a step with a forward never waits
-        monkeypatch.setattr(worker_mod, "IDLE_STEP_WAIT_S", WAIT_S)
+        w.idle_wait_s = WAIT_S
         threading.Timer(0.05, release.set).start()
         assert w.finished(idle_step=True) == {"r6"}  # woken by the load's end, same step
         assert w.take_errors() == set()

@@ -77,14 +77,15 @@ LOAD_QUEUE_MAX = 4096
 ANNOUNCE_POLL_S = 0.001
 """While saves are in flight (CUDA), how often the announcer looks for completed ones."""
 ANNOUNCE_IDLE_S = 1.0
-IDLE_STEP_WAIT_S = 0.002
-"""How long a step that ran no forward pass waits for a load in flight to finish.
-With only loading requests, vLLM's engine loop takes empty steps back to back;
-each spent in Python, they starve the load thread of the GIL (and of a core on
-small hosts): on 2 cores a 10 ms fetch answered the load thread after ~180 ms.
-Waiting here sleeps the engine thread instead; a load that ends wakes it, so it
-is reported in that same step. A request arriving meanwhile is scheduled at
-most this much later."""
+IDLE_STEP_WAIT_S = {"cuda": 0.002, "cpu": 0.02}
+"""How long a step that ran no forward pass waits for a load in flight to finish,
+by device. With only loading requests, vLLM's engine loop takes empty steps back
+to back; each spent in Python, they starve the load thread of the GIL (and of a
+core on small hosts): on 2 cores a 10 ms fetch answered the load thread after
+~180 ms. Waiting here sleeps the engine thread instead; a load that ends wakes
+it, so it is reported in that same step. A request arriving meanwhile is
+scheduled at most this much later: 2 ms on a GPU, 20 ms on a CPU engine whose
+forward passes take hundreds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,6 +180,8 @@ class WorkerSide:
         self.reserve_target = reserve_slots
         self.save_enabled = save
         self.clock = clock
+        self.idle_wait_s = IDLE_STEP_WAIT_S.get(copier.shape.device, IDLE_STEP_WAIT_S["cuda"])
+        """How long an idle step waits for a load in flight (IDLE_STEP_WAIT_S)."""
         self.engine_stream = 0
         """The engine's CUDA stream (raw handle): loads start after its queued work."""
         self.stats = Stats()
@@ -234,14 +237,14 @@ class WorkerSide:
         """Requests whose loads ended since the last call; their failed blocks
         go to `take_errors` in the same step. `idle_step`: this step ran no
         forward pass, so with loads in flight and none ended it first waits up
-        to IDLE_STEP_WAIT_S for one to end (see there)."""
+        to `idle_wait_s` for one to end (see IDLE_STEP_WAIT_S)."""
         out: set[str] = set()
         self._announce()  # saves whose copies completed since the last step
         block = idle_step and self._in_flight > 0 and self._done.empty()
         while True:
             try:
                 if block:
-                    req_id, bad = self._done.get(timeout=IDLE_STEP_WAIT_S)
+                    req_id, bad = self._done.get(timeout=self.idle_wait_s)
                     block = False
                 else:
                     req_id, bad = self._done.get_nowait()
