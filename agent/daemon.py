@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 from concurrent import futures
 from typing import Any
@@ -59,11 +58,6 @@ ENGINE_SOCKET_MODE = 0o660
 """The engine socket allocates and frees slots: its owner and group only."""
 OWNER_CHECK_INTERVAL_S = 1.0
 """How often the reaper looks for reserved slots of engines that are gone."""
-GIL_SWITCH_INTERVAL_S = 0.0005
-"""The agent's GIL hand-off interval (Python's default is 5 ms). An engine's Lookup
-or Fetch handler that wakes while the publisher or the mirror runs Python code
-waits up to this long for the GIL, at every hand-off of its call: on the H200
-the scheduler side's lookups took 2-7 ms where the handler's own work is under 1."""
 
 
 class AgentStartError(RuntimeError):
@@ -132,7 +126,6 @@ class AgentDaemon:
 
     def start(self) -> None:
         cfg = self.cfg
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # process-wide: the agent's own process
         try:
             opened = self._open_pools()
         except OSError as e:
