@@ -141,8 +141,10 @@ class SchedulerSide:
         else:
             self._lookup_s[req_id] = self.clock() - p.started
             return self._settle(req_id, got)
-        if self.clock() - p.started >= self.cfg.lookup_timeout_ms / 1000:
+        waited = self.clock() - p.started
+        if waited >= self.cfg.lookup_timeout_ms / 1000:
             self.counts.timeouts += 1
+            self._lookup_s[req_id] = waited  # logged as "no answer in ..."
             return self._settle(req_id, NOTHING)
         return None
 
