@@ -35,7 +35,7 @@ import numpy as np
 
 from kvdir.agent import holders
 from kvdir.agent.directory_reads import DirectoryReads, read_holders
-from kvdir.agent.gpu_pool import GpuTier
+from kvdir.agent.gpu_pool import GpuTier, slots_of
 from kvdir.agent.limits import HOLDERS_TRIED_MAX
 from kvdir.agent.pool import HEADER_BYTES, KvPool, valid_prefix
 from kvdir.core.client import DirectoryError
@@ -392,19 +392,11 @@ def record_slots(
     whole slot): a 512-block fetch checks its records in microseconds, not a
     Python loop's milliseconds."""
     sb = int(info.slot_bytes)
-    if sb <= 0 or slot_bytes != sb:
+    if slot_bytes != sb:
         return np.full(len(addresses), -1, np.int64)
-    base = np.uint64(info.gpu_address if gpu else info.data_address)
-    a = addresses.astype(np.uint64, copy=False)
-    off = a - base  # wraps below the base: refused by `a >= base`
-    slot = (off // np.uint64(sb)).astype(np.int64)
-    ok = (
-        (lengths.astype(np.uint64, copy=False) == np.uint64(sb))
-        & (a >= base)
-        & (off % np.uint64(sb) == 0)
-        & (off // np.uint64(sb) < np.uint64(info.slots))
-    )
-    return np.where(ok, slot, -1)
+    base = info.gpu_address if gpu else info.data_address
+    slots = slots_of(base, sb, info.slots, addresses)
+    return np.where(lengths.astype(np.uint64, copy=False) == np.uint64(sb), slots, -1)
 
 
 def _column(data: bytes, dtype: str, n: int) -> np.ndarray:

@@ -37,6 +37,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvdir.agent.pool import KvPool
 from kvdir.transfer.base import TransferError
 from kvdir.transfer.cuda_ipc import GpuBuffer, cuda_errors, load_cupy, wait_event
@@ -57,11 +59,20 @@ class GpuTierError(ValueError):
 
 def slot_of(gpu_address: int, slot_bytes: int, slots: int, address: int) -> int:
     """The slot a published GPU address names, or -1 when it names none."""
-    off = address - gpu_address
-    if slot_bytes <= 0 or off < 0 or off % slot_bytes:
-        return -1
-    slot = off // slot_bytes
-    return slot if slot < slots else -1
+    return int(slots_of(gpu_address, slot_bytes, slots, np.asarray([address], np.uint64))[0])
+
+
+def slots_of(base: int, slot_bytes: int, slots: int, addresses: np.ndarray) -> np.ndarray:
+    """`slot_of` of many published addresses at once (u64 in, int64 out, -1 where an
+    address is below `base`, off the slot grid or past the last slot)."""
+    if slot_bytes <= 0:
+        return np.full(len(addresses), -1, np.int64)
+    a = addresses.astype(np.uint64, copy=False)
+    b, sb = np.uint64(base), np.uint64(slot_bytes)
+    off = a - b  # wraps below the base: refused by `a >= b`
+    slot = off // sb
+    ok = (a >= b) & (off % sb == 0) & (slot < np.uint64(slots))
+    return np.where(ok, slot.astype(np.int64), -1)
 
 
 @dataclass

@@ -188,7 +188,7 @@ class WorkerSide:
         self._stats_lock = threading.Lock()
         self._jobs: queue.Queue[LoadJob | None] = queue.Queue(LOAD_QUEUE_MAX)
         self._in_flight = 0
-        """Loads submitted to the load thread and not yet taken from `_done`."""
+        """Loads started (on the load thread or inline) and not yet taken from `_done`."""
         self._done: queue.Queue[tuple[str, list[int]]] = queue.Queue()
         self._errors: set[int] = set()
         self._stash: list[int] = []
