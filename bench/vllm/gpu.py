@@ -51,6 +51,8 @@ from bench.vllm.gpu_calls import (
     EngineCalls,
     bare_copy_s,
     keys,
+    parse_loads,
+    parse_timelines,
     prompt,
 )
 from bench.vllm.gpu_nodes import BLOCK_TOKENS, SHAPES, GpuNodes, gpu_nodes
@@ -239,10 +241,12 @@ class Bench(EngineCalls):
         row["bare_fetch"] = self.bare_fetch(p)
         rec = self.gen("n", turn)
         row["recompute"] = rec["seconds"]
+        row["floor_plain"] = self.gen("n", turn)["seconds"]  # vLLM's own hit, no connector
         for name, path in (("b", "ipc"), ("c", "host")):
             self.new_loads(name)
             got = self.gen(name, turn)
-            loads = self.new_loads(name)
+            text = self.new_log(name)
+            loads = parse_loads(text)
             row[path] = {
                 "ttft": got["seconds"],
                 "cached": got["cached"],
@@ -250,6 +254,7 @@ class Bench(EngineCalls):
                 "loaded_bytes": {ld["transport"]: ld["bytes"] for ld in loads if ld["peer"]},
                 "load_s": sum(ld["ms"] for ld in loads) / 1e3,
                 "loads": loads,
+                "timelines": parse_timelines(text),
             }
         floor = self.gen("b", turn)
         row["floor"] = floor["seconds"]
@@ -268,6 +273,8 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     s: dict[str, Any] = {"tokens": rows[0]["tokens"], "repeats": len(rows)}
     s["recompute_s"] = med(lambda r: r["recompute"])
     s["floor_s"] = med(lambda r: r["floor"])
+    s["floor_plain_s"] = med(lambda r: r.get("floor_plain", float("nan")))
+    s["ipc_path"] = _path_medians([r["ipc"] for r in rows])
     s["ipc_s"] = med(lambda r: r["ipc"]["ttft"])
     s["host_s"] = med(lambda r: r["host"]["ttft"])
     s["ipc_load_s"] = med(lambda r: r["ipc"]["load_s"])
@@ -285,6 +292,27 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     s["sources"] = sorted({k for r in rows for p in ("ipc", "host") for k in r[p]["loaded_bytes"]})
     s["correct"] = all(r[p]["same_first_token"] for r in rows for p in ("ipc", "host"))
     return s
+
+
+def _path_medians(pulls: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Medians of where one path's pulled requests spent their time (the scheduler
+    side's timeline line, the worker's load line); None where no run logged one."""
+    lines = [p["timelines"][0] for p in pulls if p.get("timelines")]
+    loads = [p["loads"][0] for p in pulls if p.get("loads")]
+
+    def med(vals: list[Any]) -> float | None:
+        got = [float(v) for v in vals if v is not None]
+        return float(statistics.median(got)) if got else None
+
+    return {
+        "lookup_ms": med([t["lookup_ms"] for t in lines]),
+        "calls": med([t["calls"] for t in lines]),
+        "load_ms": med([ld["ms"] for ld in loads]),
+        "reported_ms": med([t["reported_ms"] for t in lines]),
+        "forward_ms": med([t["forward_ms"] for t in lines]),
+        "steps": med([t["steps"] for t in lines]),
+        "total_ms": med([t["total_ms"] for t in lines]),
+    }
 
 
 def run_8b(args: argparse.Namespace, tmp: str) -> dict[str, Any]:

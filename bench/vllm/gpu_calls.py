@@ -66,6 +66,15 @@ LOAD_LINE = re.compile(
 )
 """The worker's line per load (agent/engine/vllm/worker.py): vLLM 0.24's offline engine
 has no Prometheus registry for the connector's series, so the bench reads the log."""
+TIMELINE_LINE = re.compile(
+    r"kvdir timeline: request (?P<req>\S+): lookup settled (?P<lookup_ms>[\d.]+) ms over "
+    r"(?P<calls>\d+) scheduler calls; load allocated \+(?P<allocated_ms>[\d.]+) ms; "
+    r"(?:its end reported (?P<reported_ms>[\d.]+) ms and (?P<reported_steps>\d+) steps "
+    r"after allocation; )?forward pass (?P<forward_ms>[\d.]+) ms and (?P<steps>\d+) steps "
+    r"after allocation; (?P<total_ms>[\d.]+) ms after first seen"
+)
+"""The scheduler side's line per loaded request (agent/engine/vllm/scheduler.py): from
+vLLM's first question about it to its first forward pass."""
 
 
 def parse_loads(text: str) -> list[dict[str, Any]]:
@@ -76,6 +85,18 @@ def parse_loads(text: str) -> list[dict[str, Any]]:
             d[k] = int(d[k])
         for k in ("ms", "reserve_ms", "fetch_ms", "agent_ms", "read_ms", "copy_ms"):
             d[k] = float(d[k])
+        out.append(d)
+    return out
+
+
+def parse_timelines(text: str) -> list[dict[str, Any]]:
+    out = []
+    for m in TIMELINE_LINE.finditer(text):
+        d: dict[str, Any] = {"req": m["req"]}
+        for k in ("calls", "steps", "reported_steps"):
+            d[k] = int(m[k]) if m[k] is not None else None
+        for k in ("lookup_ms", "allocated_ms", "reported_ms", "forward_ms", "total_ms"):
+            d[k] = float(m[k]) if m[k] is not None else None
         out.append(d)
     return out
 
@@ -106,13 +127,17 @@ class EngineCalls:
         self.checks: list[dict[str, Any]] = []
         self._log_at: dict[str, int] = {}
 
-    def new_loads(self, name: str) -> list[dict[str, Any]]:
-        """The loads engine `name` logged since the last call (its log is appended to)."""
+    def new_log(self, name: str) -> str:
+        """What engine `name` logged since the last call (its log is appended to)."""
         with open(self.engines[name].log_path, "rb") as f:
             f.seek(self._log_at.get(name, 0))
             text = f.read()
             self._log_at[name] = f.tell()
-        return parse_loads(text.decode(errors="replace"))
+        return text.decode(errors="replace")
+
+    def new_loads(self, name: str) -> list[dict[str, Any]]:
+        """The loads engine `name` logged since the last call."""
+        return parse_loads(self.new_log(name))
 
     def gen(self, name: str, tokens: list[int], max_tokens: int = 1, **kw: Any) -> dict[str, Any]:
         r = self.engines[name].generate([tokens], max_tokens=max_tokens, **kw)

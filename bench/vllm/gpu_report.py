@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import math
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,42 @@ def markdown_8b(shape: str, summary: list[dict[str, Any]]) -> list[str]:
         "cached tokens (min)", "same first token",
     ]  # fmt: skip
     return [f"Model: {shape}.", "", "## Turn-2 TTFT (median of repeats)", "",
-            report.table(rows, head_cells), ""]  # fmt: skip
+            report.table(rows, head_cells), "", *_path_table(summary)]  # fmt: skip
+
+
+def _opt(x: float | None, fmt: str = "{:.1f}") -> str:
+    return "-" if x is None or math.isnan(x) else fmt.format(x)
+
+
+def _path_table(summary: list[dict[str, Any]]) -> list[str]:
+    """Where a pulled request's time went, from the engine's own log lines."""
+    if not any(s.get("ipc_path") for s in summary):
+        return []
+    rows = []
+    for s in summary:
+        p = s.get("ipc_path") or {}
+        plain = s.get("floor_plain_s")
+        rows.append([
+            s["tokens"], _ms(s["ipc_s"]), _ms(s["floor_s"]),
+            _opt(1000 * plain if plain is not None else None), _ms(s["ipc_s"] - s["floor_s"]),
+            _opt(p.get("lookup_ms"), "{:.2f}"), _opt(p.get("calls"), "{:.0f}"),
+            _opt(p.get("load_ms"), "{:.2f}"), _opt(p.get("reported_ms"), "{:.2f}"),
+            _opt(p.get("forward_ms"), "{:.2f}"), _opt(p.get("steps"), "{:.0f}"),
+        ])  # fmt: skip
+    head = [
+        "tokens", "pull CUDA IPC ms", "local hit ms", "local hit, no connector ms",
+        "pull - local hit ms", "lookup ms", "scheduler calls", "load ms",
+        "allocation -> load reported ms", "allocation -> forward pass ms", "steps",
+    ]  # fmt: skip
+    return [
+        "## Where a pull over CUDA IPC spends its time (median of repeats)", "",
+        "From engine b's own log lines: the scheduler side's timeline (vLLM's first "
+        "question about the request, its lookup settling, the blocks' allocation, the "
+        "load's end reported back, the first forward pass; each step counted) and the "
+        "worker's load line. The local hit without a connector is engine n's second "
+        "identical request.", "",
+        report.table(rows, head), "",
+    ]  # fmt: skip
 
 
 def markdown(

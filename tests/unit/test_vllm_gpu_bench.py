@@ -24,9 +24,10 @@ from typing import Any
 import pytest
 
 from bench.vllm import gpu, gpu_70b, gpu_args, gpu_two
-from bench.vllm.gpu_calls import EngineCalls, parse_loads
+from bench.vllm.gpu_calls import EngineCalls, parse_loads, parse_timelines
 from bench.vllm.gpu_nodes import BLOCK_TOKENS, SHAPES, gpu_engine, last_error
 from bench.vllm.gpu_pair import offload_config
+from kvdir.agent.engine.vllm.scheduler import _describe, _Timeline
 from kvdir.local import ClusterError
 from tests.vllm.engines import REPO, EngineError
 
@@ -242,6 +243,23 @@ def test_new_loads_reads_only_lines_appended_since_the_last_call(tmp_path: Path)
     assert (ld["pool"], ld["peer"], ld["transport"], ld["ms"]) == (0, 4, "cuda", 4.5)
     assert calls.new_loads("b") == []
     assert parse_loads("kvdir load: request x, blocks 1..2: garbage") == []
+
+
+def test_the_timeline_lines_the_scheduler_side_writes_parse() -> None:
+    """The bench reads the product's own line: a change of its wording fails here,
+    not as an empty table on the H200."""
+    t = _Timeline(seen=1.0, calls=2, answered=1.003, allocated=1.0031)
+    t.reported, t.reported_steps, t.steps = 1.0095, 1, 3
+    quiet = _Timeline(seen=5.0, calls=1, answered=5.002, allocated=5.0025, steps=2)
+    text = "\n".join(
+        f"INFO kvdir timeline: request {r}: {_describe(x, now)}"
+        for r, x, now in (("r1", t, 1.0152), ("r2", quiet, 5.0105))
+    )
+    one, two = parse_timelines(text)
+    assert (one["req"], one["calls"], one["steps"], one["reported_steps"]) == ("r1", 2, 3, 1)
+    assert (one["lookup_ms"], one["reported_ms"], one["forward_ms"]) == (3.0, 6.4, 12.1)
+    assert one["total_ms"] == 15.2
+    assert (two["reported_ms"], two["forward_ms"], two["steps"]) == (None, 8.0, 2)
 
 
 # ---------------------------------------------------------------- two-engine parts

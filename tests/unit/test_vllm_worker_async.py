@@ -97,6 +97,7 @@ class AgentDouble:
         self.valid: int | None = None
         """Blocks a fetch reports valid (None: all of them)."""
         self.found = Found()
+        self.lookups = 0
 
     def available(self) -> bool:
         return True
@@ -118,6 +119,7 @@ class AgentDouble:
         return Fetched(v, "cuda", v * 1024, invalidated=len(slots) - v)
 
     def lookup(self, chain: Sequence[bytes]) -> Found:
+        self.lookups += 1
         return self.found
 
     def stored(self, hashes: Sequence[bytes], slots: Sequence[int]) -> None:
@@ -269,3 +271,58 @@ def test_an_idle_step_waits_for_a_load_in_flight_and_reports_it() -> None:
     finally:
         release.set()
         w.close()
+
+
+def _settled(s: SchedulerSide, req: str, chain: list[bytes], tokens: int, have: int) -> int:
+    """matched() asked until the lookup on the scheduler side's pool settles."""
+    for _ in range(200):
+        got = s.matched(req, chain, tokens, have)
+        if got is not None:
+            return got
+    raise AssertionError("the lookup never settled")
+
+
+def test_a_request_vllm_holds_whole_is_answered_without_a_lookup() -> None:
+    agent = AgentDouble()
+    agent.found = Found((0, 1, 2, 3, 4, 5), 6, True)
+    chain = [bytes([i]) * 8 for i in range(6)]
+    s = SchedulerSide(agent, ConnectorConfig(), 16, 1024)  # type: ignore[arg-type]
+    try:
+        # vLLM's own cache has all 6 full blocks of a 101-token prompt.
+        assert s.matched("hit", chain, 6 * 16 + 5, 6 * 16) == 0
+        assert agent.lookups == 0 and s.counts.lookups_skipped == 1
+        s.allocated("hit", chain, list(range(7)), 0)
+        # Its cached blocks are not saved again; a seventh, computed now, would be.
+        assert s.step({"hit": (6 * 16 + 5, chain)}, lambda _: list(range(7))).saves == []
+        # One block short of the loadable ones: the agent is asked.
+        assert _settled(s, "part", chain, 6 * 16 + 5, 5 * 16) == 16
+        assert agent.lookups == 1 and s.counts.lookups_skipped == 1
+    finally:
+        s._pool.shutdown(wait=True)
+
+
+def test_a_loaded_requests_timeline_is_logged_as_it_reaches_a_forward_pass(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    agent = AgentDouble()
+    agent.found = Found((), 6, True, b"T", "cuda")
+    chain = [bytes([i]) * 8 for i in range(6)]
+    ticks = iter(range(0, 10_000, 2))  # each reading of the clock 2 ms later
+    cfg = ConnectorConfig(skip_slow_pulls=False)
+    s = SchedulerSide(agent, cfg, 16, 1024, lambda: next(ticks) / 1e3)  # type: ignore[arg-type]
+    try:
+        tokens = _settled(s, "q", chain, 6 * 16 + 5, 0)
+        s.allocated("q", chain, list(range(100, 107)), tokens)
+        (job,) = s.step({}, lambda _: None).loads  # the step that loads it
+        assert job.allocated_at > 0
+        s.step({}, lambda _: None)  # an empty step
+        s.load_reported(["q", "other"])
+        with caplog.at_level("INFO", logger="kvdir.vllm"):
+            s.step({"q": (101, chain)}, lambda _: None)  # its first forward pass
+            s.step({"q": (102, chain)}, lambda _: None)  # logged once
+        (line,) = [r.getMessage() for r in caplog.records if "kvdir timeline" in r.getMessage()]
+        assert "lookup settled" in line and "load allocated +" in line
+        assert "2 steps after allocation; forward pass" in line  # reported after 2 steps
+        assert "and 3 steps after allocation" in line  # ran in the third
+    finally:
+        s._pool.shutdown(wait=True)

@@ -230,9 +230,13 @@ class KvdirConnector(KVConnectorBase_V1):  # type: ignore[misc]
         return KvdirMetadata(step)
 
     def update_connector_output(self, connector_output: Any) -> None:
-        """The workers' measurements reach the pull-cost model here (scheduler side)."""
+        """The workers' measurements reach the pull-cost model here (scheduler side),
+        and their ended loads the requests' timelines."""
+        if self.sched is None:
+            return
+        self.sched.load_reported(getattr(connector_output, "finished_recving", None) or ())
         stats = getattr(connector_output, "kv_connector_stats", None)
-        if self.sched is None or not isinstance(stats, KvdirStats):
+        if not isinstance(stats, KvdirStats):
             return
         for nbytes, seconds in stats.data.get("peer_loads", ()):
             self.sched.cost.observe_load(int(nbytes), float(seconds))

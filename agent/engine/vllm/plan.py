@@ -97,6 +97,13 @@ def pool_only(plan: LoadPlan, block_tokens: int) -> LoadPlan:
     return LoadPlan(plan.tokens - cut, plan.start_block, end, plan.from_pool)
 
 
+def loadable_blocks(num_hashes: int, num_tokens: int, block_tokens: int) -> int:
+    """Leading full blocks of a request a load could bring: the block holding the
+    prompt's last token is never loaded (vLLM computes at least that token to
+    sample the next one)."""
+    return min(num_hashes, max(0, num_tokens - 1) // block_tokens, CHAIN_BLOCKS_MAX)
+
+
 def plan_load(
     found: Found,
     num_hashes: int,
@@ -105,13 +112,10 @@ def plan_load(
     computed_tokens: int,
     min_blocks: int = 1,
 ) -> LoadPlan:
-    """Full blocks to load after the `computed_tokens` vLLM has locally (block aligned).
-
-    The block holding the prompt's last token is never loaded: vLLM computes
-    at least that token to sample the next one.
-    """
+    """Full blocks to load after the `computed_tokens` vLLM has locally (block
+    aligned), up to `loadable_blocks`."""
     start = computed_tokens // block_tokens
-    cap = min(num_hashes, max(0, num_tokens - 1) // block_tokens, CHAIN_BLOCKS_MAX)
+    cap = loadable_blocks(num_hashes, num_tokens, block_tokens)
     end = min(cap, max(found.pool_blocks, found.peer_blocks))
     if end - start < min_blocks:
         return LoadPlan(0, start, start, 0)

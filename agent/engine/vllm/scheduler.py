@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -42,6 +42,7 @@ from kvdir.agent.engine.vllm.plan import (
     LoadPlan,
     PullCost,
     SavePlanner,
+    loadable_blocks,
     plan_load,
     pool_only,
 )
@@ -52,6 +53,8 @@ log = logging.getLogger("kvdir.vllm")
 
 LOOKUP_THREADS = 2
 PENDING_LOOKUPS_MAX = 1024
+TIMELINES_MAX = 4096
+"""Requests whose timeline (first seen -> forward pass) is kept until it is logged."""
 INLINE_PATHS = frozenset({"cuda", "shm"})
 """What a peer is read over (EngineLookupResponse.fetch_path) when a load is inline."""
 
@@ -60,6 +63,26 @@ INLINE_PATHS = frozenset({"cuda", "shm"})
 class _Pending:
     future: Future[Found]
     started: float
+
+
+@dataclass(slots=True)
+class _Timeline:
+    """When the scheduler side saw one request reach each point (its clock), logged
+    once as the request first enters a forward pass: where a loaded request's
+    time goes between vLLM's first question and its forward pass."""
+
+    seen: float
+    calls: int = 1
+    """Scheduler calls that asked about the request before its lookup settled."""
+    answered: float | None = None
+    allocated: float | None = None
+    reported: float | None = None
+    """When the workers' output said its load ended (update_connector_output)."""
+    steps: int = 0
+    """Steps built since its allocation (the one that started the load is 1)."""
+    reported_steps: int = 0
+    skipped: bool = False
+    """Not looked up: vLLM's own cache held every block a load could bring."""
 
 
 @dataclass(slots=True)
@@ -78,6 +101,8 @@ class LookupCounts:
     timeouts: int = 0
     agent_down: int = 0
     slow_pulls_skipped: int = 0
+    lookups_skipped: int = 0
+    """Requests whose every loadable block vLLM's own cache held: not looked up."""
 
 
 class SchedulerSide:
@@ -106,6 +131,11 @@ class SchedulerSide:
         self._found: dict[str, Found] = {}
         self._lookup_s: dict[str, float] = {}
         """Per request: how long its lookup took as the scheduler saw it (logged once)."""
+        self._vllm_blocks: dict[str, int] = {}
+        """Per request not looked up: the leading blocks vLLM's own cache held."""
+        self._timelines: dict[str, _Timeline] = {}
+        self._loading: dict[str, _Timeline] = {}
+        """The timelines of requests whose load was allocated (steps are counted)."""
         self._plans: dict[str, tuple[LoadPlan, Found]] = {}
         self._loads: list[LoadJob] = []
         self._attempted: set[str] = set()
@@ -151,6 +181,9 @@ class SchedulerSide:
     def _settle(self, req_id: str, found: Found) -> Found:
         self._pending.pop(req_id, None)
         self._found[req_id] = found
+        t = self._timelines.get(req_id)
+        if t is not None:
+            t.answered = self.clock()
         return found
 
     def matched(
@@ -159,6 +192,23 @@ class SchedulerSide:
         """External tokens to load beyond `computed_tokens` (None: ask again)."""
         if req_id in self._attempted:
             return 0  # one load per request: after a failed one vLLM recomputes locally
+        t = self._timelines.get(req_id)
+        if t is not None:
+            t.calls += int(t.answered is None)
+        elif len(self._timelines) < TIMELINES_MAX and req_id not in self._found:
+            t = self._timelines[req_id] = _Timeline(self.clock())
+        if req_id not in self._found and req_id not in self._pending:
+            have = computed_tokens // self.block_tokens
+            loadable = loadable_blocks(len(chain), num_tokens, self.block_tokens)
+            if have >= loadable:
+                # vLLM's own cache holds every block a load could bring: answered
+                # without the agent, so a local hit never waits on a lookup.
+                if loadable and req_id not in self._vllm_blocks:
+                    self.counts.lookups_skipped += 1
+                self._vllm_blocks[req_id] = have
+                if t is not None:
+                    t.skipped = True
+                return 0
         found = self.found(req_id, chain)
         if found is None:
             return None
@@ -211,10 +261,21 @@ class SchedulerSide:
         entry = self._plans.get(req_id)
         found = entry[1] if entry else NOTHING
         if external <= 0 or entry is None:
-            # Nothing to load: what the pool holds is known, the rest is saved as computed.
+            # Nothing to load: what the pool holds is known, the rest is saved as
+            # computed. A request not looked up starts past what vLLM had cached:
+            # those blocks went to the pool when they were computed, and a local hit
+            # does not copy them again.
             if req_id not in self.saves.cursors:
-                self.saves.admit(req_id, found.pool_blocks if found.answered else 0)
+                known = self._vllm_blocks.get(req_id)
+                if known is None:
+                    known = found.pool_blocks if found.answered else 0
+                self.saves.admit(req_id, known)
             return
+        now = self.clock()
+        t = self._timelines.get(req_id)
+        if t is not None:
+            t.allocated = now
+            self._loading[req_id] = t
         plan = entry[0]
         # vLLM may trim what we offered; a partly promised block is loaded whole.
         want = plan.start_block * self.block_tokens + external
@@ -227,6 +288,7 @@ class SchedulerSide:
             pool_slots=found.pool_slots,
             ticket=found.ticket if plan.peer_blocks > 0 else b"",
             inline=self._inline(plan, found),
+            allocated_at=now,
         )
         self._loads.append(job)
         self._attempted.add(req_id)
@@ -253,6 +315,7 @@ class SchedulerSide:
         this step, the request's block hashes)."""
         meta = StepMeta(loads=self._loads)
         self._loads = []
+        self._step_timelines(scheduled)
         if not self.cfg.save:
             return meta
         for req_id, (done, hashes) in scheduled.items():
@@ -266,9 +329,35 @@ class SchedulerSide:
             meta.saves.append(SaveJob(tuple(hashes[i] for i in due), tuple(ids[i] for i in due)))
         return meta
 
+    def load_reported(self, req_ids: Iterable[str]) -> None:
+        """The workers' output of a step said these requests' loads ended."""
+        now = self.clock()
+        for req_id in req_ids:
+            t = self._timelines.get(req_id)
+            if t is not None and t.reported is None:
+                t.reported, t.reported_steps = now, t.steps
+
+    def _step_timelines(self, scheduled: Mapping[str, object]) -> None:
+        """Count this step for loading requests; log and drop the timelines of the
+        requests it runs (their first forward pass)."""
+        for loading in self._loading.values():
+            loading.steps += 1
+        for req_id in scheduled:
+            t = self._timelines.pop(req_id, None)
+            if t is None:
+                continue
+            self._loading.pop(req_id, None)
+            # Loads at INFO (where a pulled request's time goes); the rest at DEBUG.
+            level = logging.INFO if t.allocated is not None else logging.DEBUG
+            if log.isEnabledFor(level):
+                log.log(level, "kvdir timeline: request %s: %s", req_id, _describe(t, self.clock()))
+
     def finished(self, req_id: str) -> None:
         self._found.pop(req_id, None)
         self._lookup_s.pop(req_id, None)
+        self._vllm_blocks.pop(req_id, None)
+        self._timelines.pop(req_id, None)
+        self._loading.pop(req_id, None)
         self._pending.pop(req_id, None)
         self._plans.pop(req_id, None)
         self._pull_ok.pop(req_id, None)
@@ -278,3 +367,27 @@ class SchedulerSide:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.seam.close()
+
+
+def _ms(a: float, b: float) -> str:
+    return f"{(b - a) * 1e3:.2f} ms"
+
+
+def _describe(t: _Timeline, now: float) -> str:
+    """One request's path from vLLM's first question to its first forward pass."""
+    if t.skipped:
+        parts = ["no lookup (vLLM's cache held every loadable block)"]
+    elif t.answered is None:
+        parts = [f"lookup unsettled after {t.calls} scheduler calls"]
+    else:
+        parts = [f"lookup settled {_ms(t.seen, t.answered)} over {t.calls} scheduler calls"]
+    if t.allocated is not None:
+        parts.append(f"load allocated +{_ms(t.seen, t.allocated)}")
+        if t.reported is not None:
+            parts.append(
+                f"its end reported {_ms(t.allocated, t.reported)} and "
+                f"{t.reported_steps} steps after allocation"
+            )
+        parts.append(f"forward pass {_ms(t.allocated, now)} and {t.steps} steps after allocation")
+    parts.append(f"{_ms(t.seen, now)} after first seen")
+    return "; ".join(parts)

@@ -11,6 +11,7 @@ vLLM's own vllm:external_prefix_cache_hits:
     kvdir:validation_misses_total       loads cut short by a reused slot
     kvdir:recomputed_blocks_total       promised blocks vLLM recomputed instead
     kvdir:lookups_total, kvdir:lookup_timeouts_total, kvdir:agent_unavailable_total
+    kvdir:lookups_skipped_total         requests vLLM's own cache covered (not looked up)
     kvdir:slow_pulls_skipped_total      pulls the cost model said lose to recomputing
     kvdir:load_seconds                  histogram, one observation per load
 """
@@ -38,6 +39,7 @@ SCALARS = (
     "lookup_timeouts",
     "agent_unavailable",
     "slow_pulls_skipped",
+    "lookups_skipped",
 )
 BY_SOURCE = ("loaded_blocks", "loaded_bytes")
 SAMPLES = ("load_seconds", "peer_loads", "prefill_steps")
@@ -66,6 +68,7 @@ def lookup_data(c: LookupCounts) -> dict[str, Any]:
         "lookup_timeouts": c.timeouts,
         "agent_unavailable": c.agent_down,
         "slow_pulls_skipped": c.slow_pulls_skipped,
+        "lookups_skipped": c.lookups_skipped,
     }
 
 

@@ -102,6 +102,9 @@ class LoadJob:
     """The lookup's load ticket: the peer part is fetched on it, with no second lookup."""
     inline: bool = False
     """Loaded by `load_now` on the engine's thread (a CUDA engine's same-host sources)."""
+    allocated_at: float = 0.0
+    """The scheduler side's time.monotonic() when vLLM allocated the blocks (0: not
+    known). Same host, so comparable in the worker's process: logged with the load."""
 
     @property
     def end_block(self) -> int:
@@ -267,6 +270,7 @@ class WorkerSide:
             self._announce()  # after the request may run: announcing never delays it
 
     def _load(self, job: LoadJob) -> list[int]:
+        began = time.monotonic() - job.allocated_at if job.allocated_at else 0.0
         t0 = self.clock()
         start, end = job.start_block, job.end_block
         local = self._load_local(job)
@@ -281,10 +285,11 @@ class WorkerSide:
         log.info(
             "kvdir load: request %s, blocks %d..%d: %d from this node's pool, %d from peers "
             "over %s (%d B), %d recomputed, %.2f ms (reserve %.2f, fetch %.2f of which agent "
-            "%.2f and read %.2f, copy %.2f)",
+            "%.2f and read %.2f, copy %.2f), begun %.2f ms after allocation%s",
             job.req_id, start, end, local, trace.blocks, trace.transport or "-", trace.nbytes,
             end - got, took * 1e3, trace.reserve_s * 1e3, trace.fetch_s * 1e3,
-            trace.agent_s * 1e3, trace.read_s * 1e3, trace.copy_s * 1e3,
+            trace.agent_s * 1e3, trace.read_s * 1e3, trace.copy_s * 1e3, began * 1e3,
+            " (inline)" if job.inline else "",
         )  # fmt: skip
         return list(job.block_ids[got - start :])
 
