@@ -34,6 +34,7 @@ import struct
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvdir.agent.owners import NO_OWNER, Owner
 from kvdir.agent.pool_file import (
@@ -60,6 +61,7 @@ __all__ = [
     "PoolError",
     "SlotHeader",
     "read_header",
+    "valid_blocks",
     "valid_prefix",
 ]
 
@@ -73,9 +75,6 @@ _OWNER = struct.Struct("<I4xQ")
 OWNER_OFFSET = 48
 assert _HDR_STATE.size == OWNER_OFFSET and OWNER_OFFSET + _OWNER.size == HEADER_BYTES
 _GEN = struct.Struct("<Q")
-_GEN_STATE = struct.Struct("<QB")
-_STATE = struct.Struct("<B")
-_HASH = struct.Struct("<B6x32s")
 assert _HDR.size == HEADER_BYTES
 
 
@@ -108,29 +107,57 @@ def valid_prefix(
     """
     import numpy as np  # the agent imports numpy anyway; kept local like memory.py
 
+    ok = valid_blocks(headers, hashes, generations)
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if len(bad) else len(hashes)
+
+
+def valid_blocks(
+    headers: bytes | bytearray | memoryview,
+    hashes: Sequence[bytes],
+    generations: Sequence[int] | None,
+) -> Any:
+    """Per block (a numpy bool array): its header, block i's at i x 64 in `headers`,
+    is STORED with hash hashes[i], under generations[i] (any generation when
+    `generations` is None). `valid_prefix` is where the first False is."""
+    import numpy as np
+
     n = len(hashes)
-    if len(generations) != n or len(headers) < n * HEADER_BYTES:
-        raise ValueError(f"{n} hashes, {len(generations)} generations, {len(headers)} B headers")
+    if (generations is not None and len(generations) != n) or len(headers) < n * HEADER_BYTES:
+        raise ValueError(f"{n} hashes, generations or headers for another count")
     if n == 0:
-        return 0
+        return np.zeros(0, bool)
     rows = np.frombuffer(headers, np.uint8, n * HEADER_BYTES).reshape(n, HEADER_BYTES)
-    want = np.zeros((n, HASH_BYTES_MAX), np.uint8)
-    lens = np.fromiter((len(h) for h in hashes), np.int64, n)
-    if int(lens.max()) > HASH_BYTES_MAX:
-        raise ValueError(f"a block hash is longer than {HASH_BYTES_MAX} bytes")
-    if int(lens.min()) == int(lens.max()):
-        want[:, : int(lens[0])] = np.frombuffer(b"".join(hashes), np.uint8).reshape(n, -1)
-    else:
-        for i, h in enumerate(hashes):
-            want[i, : len(h)] = np.frombuffer(h, np.uint8)
+    lens, want = packed_hashes(hashes)
     ok = (
-        (rows[:, :8].copy().view("<u8")[:, 0] == np.asarray(generations, np.uint64))
-        & (rows[:, 8] == STORED)
+        (rows[:, 8] == STORED)
         & (rows[:, 9] == lens)
         & (rows[:, 16 : 16 + HASH_BYTES_MAX] == want).all(axis=1)
     )
-    bad = np.flatnonzero(~ok)
-    return int(bad[0]) if len(bad) else n
+    if generations is not None:
+        ok &= rows[:, :8].copy().view("<u8")[:, 0] == np.asarray(generations, np.uint64)
+    return ok
+
+
+def packed_hashes(hashes: Sequence[bytes]) -> tuple[Any, Any]:
+    """(lengths, hashes zero-padded to HASH_BYTES_MAX) as numpy arrays: the form a
+    slot header holds them in (ValueError for a hash over HASH_BYTES_MAX)."""
+    import numpy as np
+
+    n = len(hashes)
+    lens = np.fromiter((len(h) for h in hashes), np.int64, n)
+    want = np.zeros((n, HASH_BYTES_MAX), np.uint8)
+    if n == 0:
+        return lens, want
+    if int(lens.max()) > HASH_BYTES_MAX:
+        raise ValueError(f"a block hash is longer than {HASH_BYTES_MAX} bytes")
+    width = int(lens[0])
+    if width and int(lens.min()) == int(lens.max()):  # one length: one copy
+        want[:, :width] = np.frombuffer(b"".join(hashes), np.uint8).reshape(n, width)
+    else:
+        for i, h in enumerate(hashes):
+            want[i, : len(h)] = np.frombuffer(h, np.uint8)
+    return lens, want
 
 
 class KvPool:
@@ -211,15 +238,47 @@ class KvPool:
         self.check_slot(slot)
         return read_header(self.view, self.header_offset(slot))
 
-    def generations(self, slots: Sequence[int]) -> list[int]:
-        """Current generation of each slot (one struct read each; the engine's hot path)."""
-        view, base, n = self.view, self.geometry.header_offset, self.geometry.slots
-        out = []
-        for s in slots:
-            if not 0 <= s < n:
-                raise PoolError(f"slot {s} is outside the pool (0..{n - 1})")
-            out.append(_GEN.unpack_from(view, base + s * HEADER_BYTES)[0])
+    def headers_of(self, slots: Sequence[int]) -> bytes:
+        """The headers of `slots` in order, 64 bytes each (one vectorized gather;
+        `valid_blocks` reads them)."""
+        import numpy as np
+
+        g = self.geometry
+        idx = self._slot_index(slots)
+        table = self.view[g.header_offset : g.header_offset + g.slots * HEADER_BYTES]
+        rows = np.frombuffer(table, np.uint8).reshape(g.slots, HEADER_BYTES)
+        try:
+            out: bytes = rows[idx].tobytes()
+        finally:
+            del rows, table  # drop the exports of the mapping
         return out
+
+    def _slot_index(self, slots: Sequence[int]) -> Any:
+        """`slots` as an int64 array, each checked to be in the pool (PoolError)."""
+        import numpy as np
+
+        idx = np.asarray(slots, np.int64)
+        n = self.geometry.slots
+        if len(idx) and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            bad = next(x for x in slots if not 0 <= x < n)
+            raise PoolError(f"slot {bad} is outside the pool (0..{n - 1})")
+        return idx
+
+    def generations(self, slots: Sequence[int]) -> list[int]:
+        """Current generation of each slot (the engine's hot path: one vectorized read)."""
+        import numpy as np
+
+        g = self.geometry
+        if not slots:
+            return []
+        idx = self._slot_index(slots)
+        table = self.view[g.header_offset : g.header_offset + g.slots * HEADER_BYTES]
+        rows = np.frombuffer(table, np.uint8).reshape(g.slots, HEADER_BYTES)
+        try:
+            gens: list[int] = rows[idx, :8].copy().view("<u8")[:, 0].tolist()
+        finally:
+            del rows, table  # drop the exports of the mapping
+        return gens
 
     def _write_header(self, slot: int, gen: int, state: int, block_hash: bytes) -> None:
         off = self.header_offset(slot)
@@ -360,17 +419,50 @@ class KvPool:
 
     def mark_stored(self, slot: int, block_hash: bytes, generation: int) -> bool:
         """Record that `slot` holds `block_hash` under `generation` (false if stale)."""
-        self.check_slot(slot)
-        if not 0 < len(block_hash) <= HASH_BYTES_MAX:
-            raise PoolError(f"block hash of {len(block_hash)} bytes")
-        off = self.header_offset(slot)
-        gen, state = _GEN_STATE.unpack_from(self.view, off)
-        if state == FREE or gen != generation:
-            return False
-        # Hash first, state last: a reader that sees STORED sees the hash with it.
-        _HASH.pack_into(self.view, off + 9, len(block_hash), block_hash)
-        _STATE.pack_into(self.view, off + 8, STORED)
-        return True
+        return bool(self.mark_stored_many([slot], [block_hash], [generation]))
+
+    def mark_stored_many(
+        self, slots: Sequence[int], hashes: Sequence[bytes], generations: Sequence[int]
+    ) -> list[int]:
+        """`mark_stored` of many slots at once; the indexes of those marked (the others
+        were stale: freed, or under another generation).
+
+        Vectorized: the engine marks a whole fetch's or step's blocks in one pass
+        (one struct write per slot held its shipper thread, and with it the GIL the
+        engine's thread needs, for ~1.5 ms per 512 blocks).
+        """
+        import numpy as np
+
+        n, g = len(slots), self.geometry
+        if len(hashes) != n or len(generations) != n:
+            raise PoolError(f"{n} slots, {len(hashes)} hashes, {len(generations)} generations")
+        if n == 0:
+            return []
+        idx = self._slot_index(slots)
+        if any(not 0 < len(h) <= HASH_BYTES_MAX for h in hashes):
+            bad_len = next(len(h) for h in hashes if not 0 < len(h) <= HASH_BYTES_MAX)
+            raise PoolError(f"block hash of {bad_len} bytes")
+        table = self.view[g.header_offset : g.header_offset + g.slots * HEADER_BYTES]
+        rows = np.frombuffer(table, np.uint8).reshape(g.slots, HEADER_BYTES)
+        try:
+            # As int64: generations count up from 0 and never near 2**63, and a
+            # caller's impossible one (-1) is then simply stale.
+            gens = rows[idx, :8].copy().view("<i8")[:, 0]
+            ok = (rows[idx, 8] != FREE) & (gens == np.asarray(generations, np.int64))
+            keep = np.flatnonzero(ok)
+            if len(keep):
+                kept = hashes if len(keep) == n else [hashes[i] for i in keep.tolist()]
+                lens, packed = packed_hashes(kept)
+                tail = np.zeros((len(keep), 39), np.uint8)  # the length, 6 pad, the hash
+                tail[:, 0] = lens
+                tail[:, 7:] = packed
+                sel = idx[keep]
+                # Hashes first, states last: a reader that sees STORED sees the hash.
+                rows[sel, 9:48] = tail
+                rows[sel, 8] = STORED
+        finally:
+            del rows, table  # drop the exports of the mapping
+        return keep.tolist()
 
     def evict(self, slot: int, owner: Owner | None = None) -> int:
         """The slot no longer holds its block (it stays allocated); returns the new gen.

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn, cast
 
 import grpc
+import numpy as np
 
 from kvdir.agent.directory_reads import read_holders
 from kvdir.agent.fetcher import LOOKUP_NODES_MAX, Fetcher, FetchError
@@ -33,11 +34,11 @@ from kvdir.agent.holders import Holder
 from kvdir.agent.limits import CHAIN_BLOCKS_MAX, TICKET_HOLDERS_MAX
 from kvdir.agent.metrics import AgentMetrics
 from kvdir.agent.owners import NO_OWNER, Owner, alive, owner_of
-from kvdir.agent.pool import STALE_EPOCH, STORED, KvPool, PoolError, SlotHeader
+from kvdir.agent.pool import STALE_EPOCH, STORED, KvPool, PoolError, SlotHeader, valid_blocks
 from kvdir.agent.publisher import Publisher
 from kvdir.agent.tickets import BadTicket, StaleTicket, Tickets
 from kvdir.core.security import current_identity
-from kvdir.core.wire import AGENT_WIRE_VERSION, BadNamespace, namespace_key
+from kvdir.core.wire import AGENT_WIRE_VERSION, HASH_BYTES_MAX, BadNamespace, namespace_key
 from kvdir.transfer.base import Region
 from kvdir.transfer.engine import TransferEngine
 from kvdir.v1 import agent_pb2 as apb
@@ -147,17 +148,20 @@ class PoolState:
         return n
 
     def local_prefix(self, chain: Sequence[bytes]) -> list[int]:
-        """Slots of the leading blocks of `chain` this pool holds."""
+        """Slots of the leading blocks of `chain` this pool holds (the index says
+        where; the slot headers, checked in one vectorized pass, say whether)."""
         out = []
+        where = self.index.get
         for h in chain:
-            slot = self.index.get(h)
+            slot = where(h)
             if slot is None:
                 break
-            hdr = self.pool.header(slot)
-            if hdr.state != STORED or hdr.block_hash != h:
-                break
             out.append(slot)
-        return out
+        if not out:
+            return out
+        ok = valid_blocks(self.pool.headers_of(out), chain[: len(out)], None)
+        bad = np.flatnonzero(~ok)
+        return out[: int(bad[0])] if len(bad) else out
 
 
 def ns_key(ns: pb.Namespace) -> str:
@@ -387,40 +391,45 @@ class EngineService(apb_grpc.EngineServicer):
 
     def _stored(self, state: PoolState, request: apb.NotifyRequest) -> None:
         pool = state.pool
-        hashes, addrs, gens = [], [], []
-        stale = 0
-        for h, s, g in zip(
-            request.stored_hashes, request.stored_slots, request.stored_generations, strict=True
-        ):
-            if not 0 <= s < pool.geometry.slots:
-                stale += 1
-                continue
-            hdr = pool.header(s)
-            # The header is the truth; a notification that no longer matches it
-            # (the slot was evicted since) is not published.
-            if hdr.state != STORED or hdr.generation != g or hdr.block_hash != h:
-                stale += 1
-                continue
-            hashes.append(h)
-            addrs.append(state.block_address(s))
-            gens.append(g)
-            with state.lock:
-                state.index[h] = s
-                state.recency[s] = None
-                state.recency.move_to_end(s)
+        hashes, slots = list(request.stored_hashes), list(request.stored_slots)
+        gens = list(request.stored_generations)
+        n_slots = pool.geometry.slots
+        usable = [
+            i
+            for i, (h, s) in enumerate(zip(hashes, slots, strict=True))
+            if 0 <= s < n_slots and 0 < len(h) <= HASH_BYTES_MAX
+        ]
+        if len(usable) < len(hashes):
+            hashes, slots = [hashes[i] for i in usable], [slots[i] for i in usable]
+            gens = [gens[i] for i in usable]
+        # The header is the truth; a notification that no longer matches it (the
+        # slot was evicted since) is not published. One vectorized check: a step's
+        # or a fetch's hundreds of blocks arrive in one notification.
+        keep = np.flatnonzero(valid_blocks(pool.headers_of(slots), hashes, gens)).tolist()
+        stale = len(request.stored_hashes) - len(keep)
+        if len(keep) < len(hashes):
+            hashes, slots = [hashes[i] for i in keep], [slots[i] for i in keep]
+            gens = [gens[i] for i in keep]
         if stale:
             self.core.metrics.stale_notifications.inc(stale)
-        if hashes:
-            n = len(hashes)
-            self.core.publisher.stored(
-                state.namespace,
-                state.tier,
-                hashes,
-                addrs,
-                [pool.geometry.slot_bytes] * n,
-                [state.block_rkey] * n,
-                gens,
-            )
+        if not hashes:
+            return
+        with state.lock:
+            index, recency = state.index, state.recency
+            for h, s in zip(hashes, slots, strict=True):
+                index[h] = s
+                recency[s] = None
+                recency.move_to_end(s)
+        n = len(hashes)
+        self.core.publisher.stored(
+            state.namespace,
+            state.tier,
+            hashes,
+            [state.block_address(s) for s in slots],
+            [pool.geometry.slot_bytes] * n,
+            [state.block_rkey] * n,
+            gens,
+        )
 
     def Lookup(
         self, request: apb.EngineLookupRequest, context: grpc.ServicerContext

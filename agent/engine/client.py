@@ -241,11 +241,7 @@ class EngineClient:
     def _mark_stored(pool: KvPool, item: _Item) -> list[int]:
         """Write STORED headers for an item; indexes of the blocks still current."""
         _, _, hashes, slots, gens = item
-        return [
-            i
-            for i, (h, s, g) in enumerate(zip(hashes, slots, gens, strict=True))
-            if pool.mark_stored(s, h, g)
-        ]
+        return pool.mark_stored_many(slots, hashes, gens)
 
     def _ship_loop(self) -> None:
         while not self._stop.is_set():
@@ -275,10 +271,11 @@ class EngineClient:
                         namespace=attached.info.namespace, epoch=attached.epoch
                     )
                 if store:
-                    for i in self._mark_stored(self.pools[key].pool, item):
-                        req.stored_hashes.append(hashes[i])
-                        req.stored_slots.append(slots[i])
-                        req.stored_generations.append(gens[i])
+                    keep = self._mark_stored(self.pools[key].pool, item)
+                    whole = len(keep) == len(hashes)
+                    req.stored_hashes.extend(hashes if whole else [hashes[i] for i in keep])
+                    req.stored_slots.extend(slots if whole else [slots[i] for i in keep])
+                    req.stored_generations.extend(gens if whole else [gens[i] for i in keep])
                 else:
                     req.removed_hashes.extend(hashes)
                     req.removed_slots.extend(slots)

@@ -139,6 +139,29 @@ def test_mark_stored_only_under_the_current_generation(pool: KvPool) -> None:
     assert not pool.mark_stored(s, h(1), g + 1)  # a free slot never becomes STORED
 
 
+def test_mark_stored_many_marks_the_current_ones_and_leaves_the_rest(pool: KvPool) -> None:
+    got = pool.allocate(5)
+    slots = [s for s, _ in got]
+    gens = [g for _, g in got]
+    assert pool.generations(slots) == gens
+    gens[1] -= 1  # stale
+    pool.free([slots[3]])  # freed since
+    hashes = [h(10), h(11), b"short", h(13), h(14)]  # hash lengths may differ
+    assert pool.mark_stored_many(slots, hashes, gens) == [0, 2, 4]
+    assert pool.header(slots[0]) == SlotHeader(gens[0], STORED, h(10))
+    assert pool.header(slots[2]) == SlotHeader(gens[2], STORED, b"short")
+    assert pool.header(slots[1]).state != STORED and pool.header(slots[3]).state != STORED
+    # One length for all: the packed path writes the same headers.
+    more = pool.allocate(3)
+    keep = pool.mark_stored_many([s for s, _ in more], [h(20), h(21), h(22)], [g for _, g in more])
+    assert keep == [0, 1, 2]
+    assert [pool.header(s).block_hash for s, _ in more] == [h(20), h(21), h(22)]
+    with pytest.raises(PoolError, match="outside the pool"):
+        pool.mark_stored_many([10**9], [h(1)], [1])
+    with pytest.raises(PoolError, match="outside the pool"):
+        pool.generations([-1])
+
+
 @pytest.mark.parametrize("size", [0, HASH_BYTES_MAX + 1])
 def test_mark_stored_refuses_bad_hash_lengths(pool: KvPool, size: int) -> None:
     ((s, g),) = pool.allocate(1)
