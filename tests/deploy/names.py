@@ -54,7 +54,9 @@ def other_series(expr: str) -> set[str]:
     }  # fmt: skip
     names = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", stripped))
     grouping = set()
-    for m in re.finditer(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)", stripped):
+    for m in re.finditer(
+        r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)", stripped
+    ):
         grouping |= {s.strip() for s in m.group(1).split(",")}
     return {
         n

@@ -16,6 +16,7 @@ import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,18 @@ from kvdir.local import free_ports, wait_for
 pytestmark = pytest.mark.integration
 
 WAIT_S = 20.0
-TUNING = RaftTuning()
+TUNING = replace(
+    RaftTuning(),
+    election_min_s=1.0,
+    election_max_s=2.0,
+    leader_fallback_s=4.0,
+    connection_timeout_s=6.0,
+)
+"""Timeouts of seconds, not the default 150-300 ms: three replicas share this
+process's GIL, and on CI's loaded 2 cores another replica's tick once slipped
+past a 300 ms timeout on its own (a second election, terms [2, 2, 2]), which is
+not what this test is about. Links outlive the stall, so the held follower finds
+the heartbeats in its socket, as in production."""
 STALL_S = TUNING.election_max_s + 0.15
 """Longer than any follower's election timeout: the held tick would campaign."""
 
