@@ -429,7 +429,7 @@ class KvPool:
 
         Vectorized: the engine marks a whole fetch's or step's blocks in one pass
         (one struct write per slot held its shipper thread, and with it the GIL the
-        engine's thread needs, for ~1.5 ms per 512 blocks).
+        engine's thread needs: 740 us per 512 blocks on a 2-core host, 322 us now).
         """
         import numpy as np
 
