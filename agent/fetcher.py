@@ -41,7 +41,7 @@ from kvdir.agent.pool import HEADER_BYTES, KvPool, valid_prefix
 from kvdir.core.client import DirectoryError
 from kvdir.core.security import PLAIN, ClientSecurity
 from kvdir.core.wire import AGENT_WIRE_VERSION, BadNamespace, namespace_key
-from kvdir.transfer.base import Channel, Read, TransferError
+from kvdir.transfer.base import Channel, Read, TransferError, block_reads
 from kvdir.transfer.engine import Descriptor, TransferEngine
 from kvdir.transfer.paged import SegmentBatch
 from kvdir.transfer.shm import host_identity
@@ -319,12 +319,13 @@ class Fetcher:
             assert gpu is not None and peer.device_channel is not None
             moved = _read_gpu(peer.device_channel, info, match, src, slots, gpu, timeout_s)
         else:  # HOST, and RDMA_GPU until that path is verified (docs/gpu.md)
-            data = [
-                Read(a, info.rkey if src.gpu else r, ln, pool.data_offset(slots[i]))
-                for i, (a, r, ln) in enumerate(
-                    zip(src.host_addresses, src.rkeys, src.lengths, strict=True)
-                )
-            ]
+            m = len(src.host_addresses)
+            data = block_reads(
+                src.host_addresses,
+                [info.rkey] * m if src.gpu else src.rkeys,
+                src.lengths,
+                [pool.data_offset(s) for s in slots[:m]],
+            )
             moved = peer.channel.read(data, pool.view, timeout_s)
         if self.after_data is not None:
             self.after_data()

@@ -93,6 +93,53 @@ def coalesce(reads: Sequence[Read], limit: int = SEGMENT_BYTES_MAX) -> list[Read
     return out
 
 
+def block_reads(
+    remote: Sequence[int],
+    rkeys: Sequence[int],
+    lengths: Sequence[int],
+    dst_offsets: Sequence[int],
+    limit: int = SEGMENT_BYTES_MAX,
+) -> list[Read]:
+    """Per-block reads (block i: lengths[i] bytes at remote[i] under rkeys[i] to
+    dst_offsets[i]), with each run of blocks that follow one another both remotely
+    and locally under one rkey already one Read: what `coalesce` would make of
+    them in order, found with numpy instead of one Python object per block (a
+    fetch names hundreds of blocks, usually in a few runs). Covers exactly the
+    same (remote, local) byte pairs; `coalesce` still merges across runs."""
+    import numpy as np
+
+    n = len(remote)
+    if not (len(rkeys) == len(lengths) == len(dst_offsets) == n):
+        raise ValueError(f"{n} addresses, {len(rkeys)} rkeys, {len(lengths)} lengths, "
+                         f"{len(dst_offsets)} destinations")  # fmt: skip
+    if n == 0:
+        return []
+    r = np.asarray(remote, np.uint64)
+    k = np.asarray(rkeys, np.uint64)
+    ln = np.asarray(lengths, np.uint64)
+    d = np.asarray(dst_offsets, np.uint64)
+    starts = np.ones(n, bool)
+    starts[1:] = (k[1:] != k[:-1]) | (r[1:] != r[:-1] + ln[:-1]) | (d[1:] != d[:-1] + ln[:-1])
+    first = np.flatnonzero(starts).tolist()
+    ends = np.zeros(n + 1, np.uint64)  # ends[i]: bytes of blocks 0..i-1
+    ends[1:] = np.cumsum(ln, dtype=np.uint64)
+    sums: list[int] = ends.tolist()
+    out: list[Read] = []
+    for a, b in zip(first, [*first[1:], n], strict=True):
+        if sums[b] - sums[a] <= limit:
+            out.append(Read(int(r[a]), int(k[a]), sums[b] - sums[a], int(d[a])))
+            continue
+        for i in range(a, b):  # a run past the limit: block by block, as coalesce would
+            one = Read(int(r[i]), int(k[i]), int(ln[i]), int(d[i]))
+            last = out[-1] if out and i > a else None
+            if last is not None and last.length + one.length <= limit:
+                out[-1] = Read(last.remote_address, last.rkey, last.length + one.length,
+                               last.dst_offset)  # fmt: skip
+            else:
+                out.append(one)
+    return out
+
+
 def check_destination(reads: Sequence[Read], dst_len: int) -> None:
     """Every read must land inside dst (a programming error otherwise)."""
     for r in reads:

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from kvdir.transfer.base import Read, Region, check_destination, coalesce
+from kvdir.transfer.base import Read, Region, block_reads, check_destination, coalesce
 
 Pair = tuple[int, int, int]
 """(rkey, remote byte address, local byte offset) of one byte a read moves."""
@@ -69,6 +69,46 @@ def test_contiguous_blocks_in_any_order_merge(n: int, size: int, seed: int, gap:
     assert len(merged) == expect
     assert sum(m.length for m in merged) == n * size
     assert byte_pairs(merged) == byte_pairs(reads)
+
+
+def _columns(reads: list[Read]) -> tuple[list[int], list[int], list[int], list[int]]:
+    return (
+        [r.remote_address for r in reads],
+        [r.rkey for r in reads],
+        [r.length for r in reads],
+        [r.dst_offset for r in reads],
+    )
+
+
+@settings(max_examples=500, deadline=None)
+@given(reads=_READS, limit=st.integers(1, 64), runs=st.booleans())
+@example(reads=[Read(0, 1, 4, 0), Read(4, 1, 4, 4), Read(8, 2, 4, 8)], limit=64, runs=False)
+def test_block_reads_move_exactly_the_blocks_bytes(
+    reads: list[Read], limit: int, runs: bool
+) -> None:
+    """What a fetch hands a channel: the same bytes as one read per block, its runs
+    already merged in order (never across rkeys or gaps, never past the limit)."""
+    if runs:  # a fetch's usual shape: blocks that follow each other on both sides
+        reads = [Read(50 + 8 * i, 1, 8, 8 * i) for i in range(len(reads))] + reads
+    limit = max([limit, *(r.length for r in reads)])
+    got = block_reads(*_columns(reads), limit=limit)
+    assert byte_pairs(got) == byte_pairs(reads)
+    assert len(got) <= len(reads)
+    assert all(0 < g.length <= limit for g in got)
+    assert byte_pairs(coalesce(got, limit)) == byte_pairs(reads)
+
+
+def test_block_reads_merge_a_run_in_order_and_split_it_at_the_limit() -> None:
+    run = [Read(1000 + 10 * i, 3, 10, 10 * i) for i in range(10)]
+    assert block_reads(*_columns(run)) == [Read(1000, 3, 100, 0)]
+    assert [r.length for r in block_reads(*_columns(run), limit=30)] == [30, 30, 30, 10]
+    gap = [*run[:5], Read(2000, 3, 10, 50), *run[6:]]
+    assert [(r.remote_address, r.length) for r in block_reads(*_columns(gap))] == [
+        (1000, 50), (2000, 10), (1060, 40)
+    ]  # fmt: skip
+    assert block_reads([], [], [], []) == []
+    with pytest.raises(ValueError, match="2 addresses, 1 rkeys"):
+        block_reads([0, 1], [1], [1, 1], [0, 1])
 
 
 def test_coalesce_respects_the_segment_limit() -> None:
