@@ -268,16 +268,8 @@ class KvPool:
         """Current generation of each slot (the engine's hot path: one vectorized read)."""
         import numpy as np
 
-        g = self.geometry
-        if not slots:
-            return []
-        idx = self._slot_index(slots)
-        table = self.view[g.header_offset : g.header_offset + g.slots * HEADER_BYTES]
-        rows = np.frombuffer(table, np.uint8).reshape(g.slots, HEADER_BYTES)
-        try:
-            gens: list[int] = rows[idx, :8].copy().view("<u8")[:, 0].tolist()
-        finally:
-            del rows, table  # drop the exports of the mapping
+        rows = np.frombuffer(self.headers_of(slots), np.uint8).reshape(-1, HEADER_BYTES)
+        gens: list[int] = rows[:, :8].copy().view("<u8")[:, 0].tolist()
         return gens
 
     def _write_header(self, slot: int, gen: int, state: int, block_hash: bytes) -> None:
