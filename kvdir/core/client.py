@@ -44,6 +44,12 @@ _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
 # cancels its own calls): a replica stopping cancels the calls its grace period
 # did not finish, so a write it was carrying may or may not have committed.
 _UNKNOWN = {grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+# A read changes nothing, so its outcome is never unknown: a read that runs out of
+# time is Unavailable, and says why the replicas refused it before the deadline
+# cut the last attempt (CI at aa81aa9: a catching-up replica's refusal, retried
+# until the last attempt got a few ms and timed out, was reported as
+# "OutcomeUnknown: Deadline Exceeded").
+_READS = frozenset({"Lookup", "LookupBatch", "ListNodes", "ClusterStatus", "GetShardMap"})
 
 
 def _metadata(e: grpc.RpcError) -> dict[str, str]:
@@ -328,6 +334,7 @@ class DirectoryClient(DirectoryRequests):
         `metadata` goes with every attempt (a sharded client's map version)."""
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         last: grpc.RpcError | None = None
+        refused: grpc.RpcError | None = None  # the last answer that was a refusal
         for attempt in range(ATTEMPTS_MAX):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -346,7 +353,9 @@ class DirectoryClient(DirectoryRequests):
                     raise DirectoryError(
                         code, e.details() or code.name, str(md.get("kvdir-reason", "")), md
                     ) from e
-                if unknown and not self.retry_unknown:
+                if code in _RETRYABLE:
+                    refused = e
+                if unknown and not self.retry_unknown and method not in _READS:
                     raise OutcomeUnknown(code, e.details() or code.name) from e
                 if address is None:
                     self._next_address(str(md.get("kvdir-leader", "")))
@@ -354,9 +363,11 @@ class DirectoryClient(DirectoryRequests):
             pause = min(BACKOFF_S_MAX, BACKOFF_S_MIN * (2**attempt))
             left = max(0.0, deadline - time.monotonic())
             time.sleep(min(pause * (0.5 + self._rng.random()), left))
+        if method in _READS and refused is not None:
+            last = refused
         detail = last.details() if last is not None else "deadline passed"
         code = last.code() if last is not None else grpc.StatusCode.DEADLINE_EXCEEDED
-        cls = OutcomeUnknown if code in _UNKNOWN else Unavailable
+        cls = OutcomeUnknown if code in _UNKNOWN and method not in _READS else Unavailable
         raise cls(code, f"directory unavailable after retries: {detail}")
 
     # An alias, not a method calling `call`: no hop on the write path (a subclass

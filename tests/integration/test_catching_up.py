@@ -10,20 +10,24 @@ gRPC server, the service and the client are the real ones, over loopback.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.message import Message
 
-from kvdir.core.client import DirectoryClient, Unavailable, namespace
+from kvdir.core.client import DirectoryClient, OutcomeUnknown, Unavailable, namespace
 from kvdir.directory.config import DirectoryConfig
 from kvdir.directory.consensus.memory import MemoryCluster, MemoryReplica
 from kvdir.directory.consensus.port import Status
 from kvdir.directory.metrics import DirectoryMetrics
 from kvdir.directory.server import DirectoryService, WallClock
 from kvdir.local import free_ports
+from kvdir.v1 import directory_pb2 as pb
 from kvdir.v1 import directory_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.integration
@@ -88,3 +92,56 @@ def test_local_reads_wait_until_the_replica_has_caught_up(served: tuple[Replayin
         resp = c.lookup(SPACE, [b"\x00" * 8], address=addr)
         assert resp.read.commit_index - resp.read.applied_index == 11 * LAG_MAX
         assert c.lookup_batch([], address=addr).read.applied_index == replica.raftLastApplied
+
+
+class RefuseThenHang:
+    """Refuses the first call of each method, then holds every later one past the deadline."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.release = threading.Event()
+
+    def answer(self, method: str, context: grpc.ServicerContext) -> None:
+        self.calls[method] = self.calls.get(method, 0) + 1
+        if self.calls[method] == 1:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "catching up after start")
+        self.release.wait(5)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "released")
+
+    def handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        def method(name: str, request: type[Message]) -> grpc.RpcMethodHandler[Any, Any]:
+            return grpc.unary_unary_rpc_method_handler(
+                lambda _req, ctx: self.answer(name, ctx),
+                request_deserializer=request.FromString,
+            )
+
+        return grpc.method_handlers_generic_handler(
+            "kvdir.v1.PrefixDirectory",
+            {
+                "Lookup": method("Lookup", pb.LookupRequest),
+                "Publish": method("Publish", pb.PublishRequest),
+            },
+        )
+
+
+def test_a_read_cut_by_its_deadline_is_unavailable_with_the_refusal_a_write_is_unknown() -> None:
+    (port,) = free_ports(1)
+    addr = f"127.0.0.1:{port}"
+    servicer = RefuseThenHang()
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server.add_generic_rpc_handlers((servicer.handler(),))
+    server.add_insecure_port(addr)
+    server.start()
+    try:
+        with DirectoryClient([addr], timeout_s=0.3) as c:
+            # A read has no unknown outcome: the deadline cut its second attempt, and
+            # the error names why the first was refused.
+            with pytest.raises(Unavailable, match="catching up after start"):
+                c.lookup(SPACE, [b"\x00" * 8], address=addr)
+            # A write cut the same way may have committed.
+            with pytest.raises(OutcomeUnknown):
+                c.publish("n1", 1, SPACE, 1, [b"\x00" * 8], [0], [64], [1], [1])
+        assert servicer.calls == {"Lookup": 2, "Publish": 2}
+    finally:
+        servicer.release.set()
+        server.stop(0).wait(5)
