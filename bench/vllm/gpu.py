@@ -306,6 +306,9 @@ def _path_medians(pulls: list[dict[str, Any]]) -> dict[str, float | None]:
 
     return {
         "lookup_ms": med([t["lookup_ms"] for t in lines]),
+        "thread_ms": med([t.get("thread_ms") for t in lines]),
+        "agent_call_ms": med([t.get("agent_call_ms") for t in lines]),
+        "taken_ms": med([t.get("taken_ms") for t in lines]),
         "calls": med([t["calls"] for t in lines]),
         "load_ms": med([ld["ms"] for ld in loads]),
         "reported_ms": med([t["reported_ms"] for t in lines]),
@@ -322,7 +325,8 @@ def run_8b(args: argparse.Namespace, tmp: str) -> dict[str, Any]:
     max_len = max(max_len, CHECK_TOKENS + TURN_TOKENS + 4 * BLOCK_TOKENS)
     raw: dict[int, list[dict[str, Any]]] = {t: [] for t in args.tokens}
     t0 = time.monotonic()
-    with gpu_nodes(tmp, shape, max_len, args.pool_slots, args.memory_share) as n:
+    extra = {"async_scheduling": False} if args.no_async_scheduling else None
+    with gpu_nodes(tmp, shape, max_len, args.pool_slots, args.memory_share, extra) as n:
         b = Bench(n)
         b.gen("n", prompt(1, 256, shape.vocab))  # warm every engine once
         for name in ("a", "b", "c"):

@@ -44,6 +44,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--skip-checks", action="store_true", help="--device cuda: measure only")
     p.add_argument(
+        "--no-async-scheduling", action="store_true",
+        help="--device cuda: 8b: every engine without vLLM's async scheduling (its default)",
+    )  # fmt: skip
+    p.add_argument(
         "--work-dir", default=None, help="--device cuda: logs and pools, kept (default: temp)"
     )
 

@@ -68,7 +68,9 @@ LOAD_LINE = re.compile(
 has no Prometheus registry for the connector's series, so the bench reads the log."""
 TIMELINE_LINE = re.compile(
     r"kvdir timeline: request (?P<req>\S+): lookup settled (?P<lookup_ms>[\d.]+) ms over "
-    r"(?P<calls>\d+) scheduler calls; load allocated \+(?P<allocated_ms>[\d.]+) ms; "
+    r"(?P<calls>\d+) scheduler calls(?: \(thread \+(?P<thread_ms>[\d.]+) ms, agent call "
+    r"(?P<agent_call_ms>[\d.]+) ms, taken \+(?P<taken_ms>[\d.]+) ms\))?; "
+    r"load allocated \+(?P<allocated_ms>[\d.]+) ms; "
     r"(?:its end reported (?P<reported_ms>[\d.]+) ms and (?P<reported_steps>\d+) steps "
     r"after allocation; )?forward pass (?P<forward_ms>[\d.]+) ms and (?P<steps>\d+) steps "
     r"after allocation; (?P<total_ms>[\d.]+) ms after first seen"
@@ -95,7 +97,10 @@ def parse_timelines(text: str) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"req": m["req"]}
         for k in ("calls", "steps", "reported_steps"):
             d[k] = int(m[k]) if m[k] is not None else None
-        for k in ("lookup_ms", "allocated_ms", "reported_ms", "forward_ms", "total_ms"):
+        for k in (
+            "lookup_ms", "thread_ms", "agent_call_ms", "taken_ms",
+            "allocated_ms", "reported_ms", "forward_ms", "total_ms",
+        ):  # fmt: skip
             d[k] = float(m[k]) if m[k] is not None else None
         out.append(d)
     return out

@@ -220,9 +220,10 @@ def kvdir_config(socket: str) -> dict[str, Any]:
 
 def gpu_engine(
     name: str, base: str, model_dir: str, shape: GpuShape, max_len: int,
-    ktc: dict[str, Any] | None, memory_share: float,
+    ktc: dict[str, Any] | None, memory_share: float, extra: dict[str, Any] | None = None,
 ) -> GpuEngine:  # fmt: skip
-    """Engine `name` (not started): `ktc` is its kv_transfer_config, None for none."""
+    """Engine `name` (not started): `ktc` is its kv_transfer_config, None for none;
+    `extra`: more of vLLM's engine arguments (the bench's --no-async-scheduling)."""
     return GpuEngine(
         name,
         model_dir,
@@ -236,14 +237,16 @@ def gpu_engine(
             "max_num_seqs": 4,
             "prefix_caching_hash_algo": HASH_ALGO,
             "enable_prefix_caching": True,
+            **(extra or {}),
         },
     )
 
 
 @contextlib.contextmanager
 def gpu_nodes(
-    base: str, shape: GpuShape, max_len: int, pool_slots: int, memory_share: float
-) -> Iterator[GpuNodes]:
+    base: str, shape: GpuShape, max_len: int, pool_slots: int, memory_share: float,
+    extra: dict[str, Any] | None = None,
+) -> Iterator[GpuNodes]:  # fmt: skip
     model_dir = shape.write(os.path.join(base, "model"), max_len)
     cluster = LocalCluster(os.path.join(base, "directory"), size=3)
     agents: dict[str, LocalAgent] = {}
@@ -268,7 +271,7 @@ def gpu_nodes(
         }
         for name, sock in sockets.items():
             ktc = kvdir_config(sock) if sock else None
-            e = gpu_engine(name, base, model_dir, shape, max_len, ktc, memory_share)
+            e = gpu_engine(name, base, model_dir, shape, max_len, ktc, memory_share, extra)
             engines[name] = e
             e.launch()
             e.wait_started()

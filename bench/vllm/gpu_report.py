@@ -76,13 +76,16 @@ def _path_table(summary: list[dict[str, Any]]) -> list[str]:
         rows.append([
             s["tokens"], _ms(s["ipc_s"]), _ms(s["floor_s"]),
             _opt(1000 * plain if plain is not None else None), _ms(s["ipc_s"] - s["floor_s"]),
-            _opt(p.get("lookup_ms"), "{:.2f}"), _opt(p.get("calls"), "{:.0f}"),
+            _opt(p.get("lookup_ms"), "{:.2f}"), _opt(p.get("thread_ms"), "{:.2f}"),
+            _opt(p.get("agent_call_ms"), "{:.2f}"), _opt(p.get("taken_ms"), "{:.2f}"),
+            _opt(p.get("calls"), "{:.0f}"),
             _opt(p.get("load_ms"), "{:.2f}"), _opt(p.get("reported_ms"), "{:.2f}"),
             _opt(p.get("forward_ms"), "{:.2f}"), _opt(p.get("steps"), "{:.0f}"),
         ])  # fmt: skip
     head = [
         "tokens", "pull CUDA IPC ms", "local hit ms", "local hit, no connector ms",
-        "pull - local hit ms", "lookup ms", "scheduler calls", "load ms",
+        "pull - local hit ms", "lookup ms", "lookup: its thread started ms",
+        "lookup: agent call ms", "lookup: answer taken ms", "scheduler calls", "load ms",
         "allocation -> load reported ms", "allocation -> forward pass ms", "steps",
     ]  # fmt: skip
     return [
@@ -90,8 +93,10 @@ def _path_table(summary: list[dict[str, Any]]) -> list[str]:
         "From engine b's own log lines: the scheduler side's timeline (vLLM's first "
         "question about the request, its lookup settling, the blocks' allocation, the "
         "load's end reported back, the first forward pass; each step counted) and the "
-        "worker's load line. The local hit without a connector is engine n's second "
-        "identical request.", "",
+        "worker's load line. The lookup's parts: from vLLM's first question to the "
+        "lookup thread's start, the agent call, and from the agent's answer to the "
+        "scheduler thread taking it. The local hit without a connector is engine n's "
+        "second identical request.", "",
         report.table(rows, head), "",
     ]  # fmt: skip
 

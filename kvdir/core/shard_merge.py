@@ -19,7 +19,7 @@ block of the chain: a miss, never an error and never a wrong record.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -39,11 +39,19 @@ _COLUMNS: tuple[tuple[str, str], ...] = (
 """NodeMatch's packed record columns and their element types (little-endian)."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Holder:
-    prefix: int
-    match: pb.NodeMatch
-    """The match that names the holder (host, endpoint, transports)."""
+class Columns(Protocol):
+    """Packed record columns of one holder's prefix (NodeMatch and PackedRecords)."""
+
+    @property
+    def addresses(self) -> bytes: ...
+    @property
+    def lengths(self) -> bytes: ...
+    @property
+    def rkeys(self) -> bytes: ...
+    @property
+    def generations(self) -> bytes: ...
+    @property
+    def tiers(self) -> bytes: ...
 
 
 def subsequence(chain: Sequence[bytes], positions: Sequence[int]) -> list[bytes]:
@@ -61,19 +69,36 @@ def holder_prefixes(
     `positions[g]` are the chain positions group g owns (ascending, and
     together every position exactly once); `answers[g]` is g's answer to the
     Lookup of its subsequence, or None when g could not be asked."""
+    return prefix_bounds(
+        chain_blocks,
+        positions,
+        {
+            g: None if resp is None else {m.node_id: m.prefix_blocks for m in resp.matches}
+            for g, resp in answers.items()
+        },
+    )
+
+
+def prefix_bounds(
+    chain_blocks: int,
+    positions: Mapping[str, Positions],
+    prefixes: Mapping[str, Mapping[str, int] | None],
+) -> dict[str, int]:
+    """`holder_prefixes` from each group's answer reduced to {holder: prefix of the
+    group's subsequence} (None: the group could not be asked)."""
     seen: dict[str, dict[str, int]] = {}
-    for g, resp in answers.items():
-        if resp is None or g not in positions:
+    for g, got in prefixes.items():
+        if got is None or g not in positions:
             continue
-        for m in resp.matches:
-            seen.setdefault(m.node_id, {})[g] = m.prefix_blocks
+        for node_id, k in got.items():
+            seen.setdefault(node_id, {})[g] = k
     out: dict[str, int] = {}
     for node_id, per_group in seen.items():
         bound = chain_blocks
         for g, owned in positions.items():
             k = min(per_group.get(g, 0), len(owned))
             if k < len(owned):
-                bound = min(bound, owned[k])
+                bound = min(bound, int(owned[k]))
         if bound > 0:
             out[node_id] = bound
     return out
@@ -108,7 +133,7 @@ def merge_lookup(
             transports=src.transports,
         )
         if not omit_records:
-            _fill_records(nm, prefix, owned, {g: m.get(node_id) for g, m in by_group.items()})
+            fill_records(nm, prefix, owned, {g: m.get(node_id) for g, m in by_group.items()})
     lead = answers.get(_owner_of(0, owned)) if owned else None
     if lead is not None:
         resp.read.CopyFrom(lead.read)
@@ -122,21 +147,24 @@ def _owner_of(position: int, owned: Mapping[str, np.ndarray]) -> str:
     raise ValueError(f"no group owns chain position {position}")
 
 
-def _fill_records(
+def fill_records(
     nm: pb.NodeMatch,
     prefix: int,
     owned: Mapping[str, np.ndarray],
-    matches: Mapping[str, pb.NodeMatch | None],
+    matches: Mapping[str, Columns | None],
 ) -> None:
-    """Interleave the owning groups' record columns into chain order, up to `prefix`."""
-    parts: list[tuple[str, pb.NodeMatch, np.ndarray, int]] = []
+    """Interleave the owning groups' record columns into chain order, up to `prefix`
+    (`matches[g]`: the holder's records of g's subsequence, a NodeMatch or a
+    table's PackedRecords)."""
+    parts: list[tuple[str, Columns, np.ndarray, int]] = []
     for g, p in owned.items():
         below = int(np.searchsorted(p, prefix))  # positions of g inside the prefix
         if below == 0:
             continue
         m = matches.get(g)
-        # holder_prefixes bounded `prefix` by p[k_g], so g answered >= `below` blocks.
-        assert m is not None and m.prefix_blocks >= below, "merge bound broken"
+        # holder_prefixes bounded `prefix` by p[k_g], so g answered >= `below` blocks
+        # (each column's length is checked below).
+        assert m is not None, "merge bound broken"
         parts.append((g, m, p[:below], below))
     for name, dtype in _COLUMNS:
         out = np.empty(prefix, dtype=dtype)

@@ -59,12 +59,13 @@ from kvdir.core.mirror import (
 from kvdir.core.mirror_sync import MirrorSync
 from kvdir.core.security import PLAIN, ClientSecurity
 from kvdir.core.shard_map import ShardMap
-from kvdir.core.shard_merge import merge_lookup
+from kvdir.core.shard_merge import fill_records, prefix_bounds
 from kvdir.core.shard_route import Router
 from kvdir.core.wire import namespace_of
 from kvdir.directory import validate
 from kvdir.directory.limits import RequestLimits
-from kvdir.directory.lookup import Chain
+from kvdir.directory.lookup import Chain, PackedRecords
+from kvdir.directory.table import NodeState
 from kvdir.v1 import directory_pb2 as pb
 
 log = logging.getLogger("kvdir.mirror")
@@ -168,31 +169,68 @@ class ShardedMirror(ChainLookups):
         ns, chain, max_nodes = parse_lookup(req, self.limits)
         if self.namespaces is not None and ns not in self.namespaces:
             raise NotServed("namespace-not-mirrored", "this mirror does not hold that namespace")
-        items = chain.items()
-        positions = self.route(items)
-        packed = np.frombuffer(chain.data, f"S{chain.width}") if chain.packed else None
+        positions = self._route(chain)
         fresh = {g for g in positions if self.mirrors[g].fresh()}
         if not fresh:
             raise NotServed("stale", "every group of this chain is stale; ask the replicas")
         if len(positions) == 1:
             return self.mirrors[next(iter(positions))].lookup_message(req)
-        answers: dict[str, pb.LookupResponse | None] = {}
+        return self._merged(ns, chain, positions, fresh, max_nodes, req)
+
+    def _route(self, chain: Chain) -> dict[str, npt.NDArray[np.int64]]:
+        if chain.packed:
+            return self._router.positions_packed(chain.data, chain.width)
+        return self._router.positions(chain.items())
+
+    def _merged(
+        self,
+        ns: str,
+        chain: Chain,
+        positions: dict[str, npt.NDArray[np.int64]],
+        fresh: set[str],
+        max_nodes: int,
+        req: pb.LookupRequest,
+    ) -> pb.LookupResponse:
+        """Each fresh group's table asked for its part of the chain, the answers
+        merged (`shard_merge`) straight from the tables' matches: no request or
+        answer message per group (they cost 4-5x the lookups at 4 groups)."""
+        packed = np.frombuffer(chain.data, f"S{chain.width}") if chain.packed else None
+        items = chain.items() if packed is None else []
+        lead = next(iter(positions))  # owns block 0 (groups come in first-block order)
+        resp = pb.LookupResponse()
+        prefixes: dict[str, dict[str, int] | None] = {}
+        nodes: dict[str, NodeState] = {}
+        columns: dict[str, dict[str, PackedRecords]] = {}
         for g, pos in positions.items():
             if g not in fresh:
-                answers[g] = None  # its blocks count as absent
+                prefixes[g] = None  # its blocks count as absent
                 continue
-            sub = lookup_request(
-                req.namespace, (), req.max_nodes, req.exclude_node, req.omit_records
+            part = (
+                Chain(packed[pos].tobytes(), chain.width)
+                if packed is not None
+                else Chain.of([items[i] for i in pos.tolist()])
             )
-            if packed is not None:  # the group's part, packed, in one numpy gather
-                sub.packed_hashes, sub.hash_width = packed[pos].tobytes(), chain.width
-            else:
-                sub.block_hashes.extend(items[i] for i in pos.tolist())
-            try:
-                answers[g] = self.mirrors[g].lookup_message(sub)
-            except NotServed:
-                answers[g] = None  # went stale since: a miss
-        resp = merge_lookup(len(items), positions, answers, max_nodes, req.omit_records)
+            m = self.mirrors[g]
+            with m.lock:  # records read under the lock that keeps their slots
+                found = m.table.lookup(ns, part, max_nodes, req.exclude_node)
+                if g == lead:
+                    nodes = {x.node.node_id: x.node for x in found}
+                    resp.read.CopyFrom(m.read_info())
+                if not req.omit_records:
+                    columns[g] = {x.node.node_id: m.table.packed_records(x.slots) for x in found}
+            prefixes[g] = {x.node.node_id: x.prefix_blocks for x in found}
+        bounds = prefix_bounds(len(chain), positions, prefixes)
+        for node_id, prefix in sorted(bounds.items(), key=lambda x: (-x[1], x[0]))[:max_nodes]:
+            node = nodes[node_id]  # a prefix > 0 starts with the lead's block 0
+            nm = resp.matches.add(
+                node_id=node_id,
+                prefix_blocks=prefix,
+                host=node.host,
+                agent_endpoint=node.endpoint,
+                transports=node.transports,
+            )
+            if not req.omit_records:
+                fill_records(nm, prefix, positions, {g: c.get(node_id) for g, c in columns.items()})
         resp.read.replica_id = "mirror:shards"
         return resp
 

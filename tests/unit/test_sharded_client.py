@@ -6,7 +6,10 @@ from __future__ import annotations
 import struct
 
 import grpc
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvdir.agent.config import from_dict
 from kvdir.core.client import DirectoryError, OutcomeUnknown, Unavailable
@@ -72,3 +75,25 @@ def test_agent_config_shard_home_instead_of_directory() -> None:
         from_dict(dict(BASE))
     cfg = from_dict({**BASE, "directory": "", "shard_home": ["b:1"]})  # --directory ''
     assert cfg.shard_home == ("b:1",)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.integers(0, 300), min_size=1, max_size=200),
+    st.integers(1, 40),
+    st.sampled_from([1, 2, 5]),
+)
+def test_the_packed_router_agrees_with_the_map(
+    keys: list[int], routes_max: int, groups: int
+) -> None:
+    """Small integers (not uniform), repeats inside a chain, a memo small enough to
+    probe past collisions, grow and be cleared: always the map's answer."""
+    m = even_map([Group(f"g{i}", (f"127.0.0.1:{i + 1}",)) for i in range(groups)], 2)
+    r = Router(m, routes_max=routes_max)
+    hs = [k.to_bytes(8, "little") for k in keys]
+    for part in (hs, hs[: len(hs) // 2], hs):  # cold, partly remembered, after clears
+        got = r.positions_packed(b"".join(part), 8)
+        assert {g: p.tolist() for g, p in got.items()} == m.positions_by_group(part)
+        assert list(got) == list(m.positions_by_group(part))
+        if len(set(part)) <= routes_max:  # what was just routed is remembered, probed or not
+            assert (r._memo64.get(np.frombuffer(b"".join(part), np.uint64)) >= 0).all()

@@ -27,7 +27,7 @@ from bench.vllm import gpu, gpu_70b, gpu_args, gpu_two
 from bench.vllm.gpu_calls import EngineCalls, parse_loads, parse_timelines
 from bench.vllm.gpu_nodes import BLOCK_TOKENS, SHAPES, gpu_engine, last_error
 from bench.vllm.gpu_pair import offload_config
-from kvdir.agent.engine.vllm.scheduler import _describe, _Timeline
+from kvdir.agent.engine.vllm.scheduler import _describe, _Stamps, _Timeline
 from kvdir.local import ClusterError
 from tests.vllm.engines import REPO, EngineError
 
@@ -250,6 +250,7 @@ def test_the_timeline_lines_the_scheduler_side_writes_parse() -> None:
     not as an empty table on the H200."""
     t = _Timeline(seen=1.0, calls=2, answered=1.003, allocated=1.0031)
     t.reported, t.reported_steps, t.steps = 1.0095, 1, 3
+    t.lookup = _Stamps(ran=1.0004, returned=1.0026)
     quiet = _Timeline(seen=5.0, calls=1, answered=5.002, allocated=5.0025, steps=2)
     text = "\n".join(
         f"INFO kvdir timeline: request {r}: {_describe(x, now)}"
@@ -259,7 +260,9 @@ def test_the_timeline_lines_the_scheduler_side_writes_parse() -> None:
     assert (one["req"], one["calls"], one["steps"], one["reported_steps"]) == ("r1", 2, 3, 1)
     assert (one["lookup_ms"], one["reported_ms"], one["forward_ms"]) == (3.0, 6.4, 12.1)
     assert one["total_ms"] == 15.2
+    assert (one["thread_ms"], one["agent_call_ms"], one["taken_ms"]) == (0.4, 2.2, 0.4)
     assert (two["reported_ms"], two["forward_ms"], two["steps"]) == (None, 8.0, 2)
+    assert two["thread_ms"] is None  # a line without the lookup's parts still parses
 
 
 # ---------------------------------------------------------------- two-engine parts

@@ -60,9 +60,19 @@ INLINE_PATHS = frozenset({"cuda", "shm"})
 
 
 @dataclass(slots=True)
+class _Stamps:
+    """When a lookup's thread began and when the agent's answer reached it (clock
+    readings written by that thread before its future completes)."""
+
+    ran: float | None = None
+    returned: float | None = None
+
+
+@dataclass(slots=True)
 class _Pending:
     future: Future[Found]
     started: float
+    stamps: _Stamps
 
 
 @dataclass(slots=True)
@@ -75,6 +85,8 @@ class _Timeline:
     calls: int = 1
     """Scheduler calls that asked about the request before its lookup settled."""
     answered: float | None = None
+    lookup: _Stamps | None = None
+    """Inside the lookup: its thread's start and the agent's answer."""
     allocated: float | None = None
     reported: float | None = None
     """When the workers' output said its load ended (update_connector_output)."""
@@ -144,12 +156,15 @@ class SchedulerSide:
 
     # ------------------------------------------------------------ lookups
 
-    def _lookup(self, chain: tuple[bytes, ...]) -> Found:
+    def _lookup(self, chain: tuple[bytes, ...], stamps: _Stamps) -> Found:
+        stamps.ran = self.clock()
         try:
             return self.seam.lookup(chain)
         except AgentUnavailable:
             self.counts.agent_down += 1
             return NOTHING
+        finally:
+            stamps.returned = self.clock()
 
     def found(self, req_id: str, chain: Sequence[bytes]) -> Found | None:
         """The lookup's answer, NOTHING when it cannot be had in time, None while pending."""
@@ -161,8 +176,9 @@ class SchedulerSide:
             if not chain or not self.seam.available() or len(self._pending) >= PENDING_LOOKUPS_MAX:
                 return self._settle(req_id, NOTHING)
             self.counts.lookups += 1
+            stamps = _Stamps()
             p = self._pending[req_id] = _Pending(
-                self._pool.submit(self._lookup, tuple(chain)), self.clock()
+                self._pool.submit(self._lookup, tuple(chain), stamps), self.clock(), stamps
             )
         try:
             got = p.future.result(self.cfg.lookup_wait_ms / 1000)
@@ -170,6 +186,9 @@ class SchedulerSide:
             pass
         else:
             self._lookup_s[req_id] = self.clock() - p.started
+            t = self._timelines.get(req_id)
+            if t is not None:
+                t.lookup = p.stamps
             return self._settle(req_id, got)
         waited = self.clock() - p.started
         if waited >= self.cfg.lookup_timeout_ms / 1000:
@@ -381,6 +400,14 @@ def _describe(t: _Timeline, now: float) -> str:
         parts = [f"lookup unsettled after {t.calls} scheduler calls"]
     else:
         parts = [f"lookup settled {_ms(t.seen, t.answered)} over {t.calls} scheduler calls"]
+        st = t.lookup
+        if st is not None and st.ran is not None and st.returned is not None:
+            # Where it waited: for a thread of the pool, for the agent, for the scheduler
+            # thread to take the answer (each of the three needs the engine's GIL).
+            parts[0] += (
+                f" (thread +{_ms(t.seen, st.ran)}, agent call {_ms(st.ran, st.returned)}, "
+                f"taken +{_ms(st.returned, t.answered)})"
+            )
     if t.allocated is not None:
         parts.append(f"load allocated +{_ms(t.seen, t.allocated)}")
         if t.reported is not None:
