@@ -156,7 +156,8 @@ def fill_records(
     """Interleave the owning groups' record columns into chain order, up to `prefix`
     (`matches[g]`: the holder's records of g's subsequence, a NodeMatch or a
     table's PackedRecords)."""
-    parts: list[tuple[str, Columns, np.ndarray, int]] = []
+    parts: list[tuple[str, Columns, int]] = []
+    at: list[np.ndarray] = []
     for g, p in owned.items():
         below = int(np.searchsorted(p, prefix))  # positions of g inside the prefix
         if below == 0:
@@ -165,12 +166,22 @@ def fill_records(
         # holder_prefixes bounded `prefix` by p[k_g], so g answered >= `below` blocks
         # (each column's length is checked below).
         assert m is not None, "merge bound broken"
-        parts.append((g, m, p[:below], below))
+        parts.append((g, m, below))
+        at.append(p[:below])
+    # One scatter per column: the groups' leading records joined as bytes (cheap
+    # slices), then put at their chain positions, which cover 0..prefix-1 once.
+    where = np.concatenate(at) if len(at) > 1 else None
     for name, dtype in _COLUMNS:
+        size = np.dtype(dtype).itemsize
+        pieces = []
+        for g, m, below in parts:
+            col: bytes = getattr(m, name)
+            if len(col) < below * size:
+                raise ValueError(f"group {g!r} sent {len(col) // size} {name} for {below} blocks")
+            pieces.append(col[: below * size])
+        if where is None:  # one group holds the whole prefix: already in chain order
+            setattr(nm, name, pieces[0])
+            continue
         out = np.empty(prefix, dtype=dtype)
-        for g, m, at, below in parts:
-            col = np.frombuffer(getattr(m, name), dtype=dtype)
-            if len(col) < below:
-                raise ValueError(f"group {g!r} sent {len(col)} {name} for {below} blocks")
-            out[at] = col[:below]
+        out[where] = np.frombuffer(b"".join(pieces), dtype=dtype)
         setattr(nm, name, out.tobytes())
