@@ -11,7 +11,8 @@ Two memos, by the chain's form:
   chains): an open-addressing table of the hashes as u64 keys (`_Memo64`),
   probed for the whole chain at once with numpy: a dict probed per block,
   with a bytes object made per block first, cost more than the table lookups
-  it routed (a mirror's 500-block lookup over 4 groups).
+  it routed (a 500-block chain over 4 groups on the 2-core host, parsing the
+  request included: 150-200 us through the dict, 95-110 us through the table).
 - any other chain: a dict from hash bytes, one probe per block.
 """
 
