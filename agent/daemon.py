@@ -26,10 +26,12 @@ from typing import Any
 import grpc
 from prometheus_client import start_http_server
 
+from kvdir.agent import lookup_socket
 from kvdir.agent.config import AgentConfig
 from kvdir.agent.directory_reads import DirectoryReads, MirrorReads, mirror_reads
 from kvdir.agent.fetcher import Fetcher, PeerCache
 from kvdir.agent.gpu_pool import GpuTier, GpuTierError
+from kvdir.agent.lookup_socket import LookupSocket
 from kvdir.agent.metrics import AgentMetrics
 from kvdir.agent.pool import KvPool
 from kvdir.agent.publisher import Holding, NodeIdentity, Publisher, PublisherLimits
@@ -85,6 +87,7 @@ class AgentDaemon:
         self.ingests: list[Any] = []
         """EngineIngest of each [[engines]] entry (imported only then: pyzmq, cbor2)."""
         self._servers: list[grpc.Server] = []
+        self._lookups: LookupSocket | None = None
         self._metrics_server: Any = None
         self._stop_reaper = threading.Event()
         self._reaper: threading.Thread | None = None
@@ -296,7 +299,8 @@ class AgentDaemon:
             futures.ThreadPoolExecutor(GRPC_WORKERS, thread_name_prefix="kvdir-engine"),
             interceptors=[local.interceptor()],
         )
-        apb_grpc.add_EngineServicer_to_server(EngineService(core), engine)
+        engine_service = EngineService(core)
+        apb_grpc.add_EngineServicer_to_server(engine_service, engine)
         os.makedirs(os.path.dirname(cfg.engine_socket) or ".", exist_ok=True)
         if os.path.exists(cfg.engine_socket):
             os.unlink(cfg.engine_socket)  # a stale socket from a previous run
@@ -307,6 +311,25 @@ class AgentDaemon:
             raise AgentStartError(
                 f"cannot listen on {cfg.listen} or unix:{cfg.engine_socket}"
             ) from e
+        lookups = LookupSocket(
+            lookup_socket.path_of(cfg.engine_socket),
+            engine_service.answer_lookup,
+            ENGINE_SOCKET_MODE,
+        )
+        if lookup_socket.fits(lookups.path):
+            try:
+                lookups.start()
+            except OSError as e:
+                raise AgentStartError(f"cannot listen on {lookups.path}: {e}") from e
+            self._lookups = lookups
+        else:  # engines find no lookup socket and ask over gRPC: slower, not wrong
+            log.warning(
+                "the engine socket's path leaves no room for its lookup socket (%s: over "
+                "%d bytes); engines' lookups go over gRPC",
+                lookups.path,
+                lookup_socket.PATH_BYTES_MAX,
+                extra={"node_id": cfg.node_id},
+            )
         peers.start()
         engine.start()
         os.chmod(cfg.engine_socket, ENGINE_SOCKET_MODE)
@@ -324,6 +347,8 @@ class AgentDaemon:
             ingest.stop(deregister=deregister)
         for s in self._servers:
             s.stop(1.0).wait(2.0)
+        if self._lookups is not None:
+            self._lookups.stop()
         self._stop_reaper.set()
         if self._reaper is not None:
             self._reaper.join(2.0)

@@ -195,17 +195,22 @@ class AgentCore:
 
     def pool_of(self, ns: pb.Namespace, context: grpc.ServicerContext, epoch: int = 0) -> PoolState:
         """The namespace's pool; a caller naming another epoch (0: none) is refused."""
+        try:
+            return self.pool(ns, epoch)
+        except Refusal as e:
+            _abort(context, e.code, str(e))
+
+    def pool(self, ns: pb.Namespace, epoch: int = 0) -> PoolState:
+        """`pool_of` for callers without a gRPC context: raises Refusal."""
         state = self.pools.get(ns_key(ns))
         if state is None:
-            _abort(
-                context,
+            raise Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"this agent has no pool for namespace model={ns.model!r} "
                 f"block_tokens={ns.block_tokens}",
             )
         if epoch and epoch != state.pool.epoch:
-            _abort(
-                context,
+            raise Refusal(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"{STALE_EPOCH}: the caller maps epoch {epoch:#x}, "
                 f"the pool is {state.pool.epoch:#x}",
@@ -215,6 +220,15 @@ class AgentCore:
     def reclaim_dead(self) -> int:
         """Slots of dead engines back to the free lists (the daemon calls this periodically)."""
         return sum(st.reclaim_dead() for st in self.pools.values())
+
+
+class Refusal(Exception):
+    """A request refused with a gRPC status code and a message (`code`, str(self)),
+    raised where no gRPC context is at hand (the engine's lookup socket)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> NoReturn:
@@ -434,40 +448,50 @@ class EngineService(apb_grpc.EngineServicer):
     def Lookup(
         self, request: apb.EngineLookupRequest, context: grpc.ServicerContext
     ) -> apb.EngineLookupResponse:
-        state = self.core.pool_of(request.namespace, context, request.epoch)
+        try:
+            resp, directory_error = self.answer_lookup(request)
+        except Refusal as e:
+            _abort(context, e.code, str(e))
+        if directory_error:
+            context.set_trailing_metadata((("kvdir-directory-error", directory_error),))
+        return resp
+
+    def answer_lookup(
+        self, request: apb.EngineLookupRequest
+    ) -> tuple[apb.EngineLookupResponse, str]:
+        """The Lookup's answer, and why the directory could not be asked ("" when it
+        was): the gRPC method and the lookup socket (agent/lookup_socket.py) both
+        answer here. Raises Refusal."""
+        state = self.core.pool(request.namespace, request.epoch)
         chain = list(request.block_hashes)
         if len(chain) > CHAIN_BLOCKS_MAX:
-            _abort(
-                context, grpc.StatusCode.INVALID_ARGUMENT, f"chain over {CHAIN_BLOCKS_MAX} blocks"
-            )
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"chain over {CHAIN_BLOCKS_MAX} blocks")
         self.core.metrics.lookups.inc()
         local = state.local_prefix(chain)
         state.touch(local)
         resp = apb.EngineLookupResponse(
             local_blocks=len(local), local_slots=local, epoch=state.pool.epoch
         )
-        if chain:
-            # The fetcher's directory reads: the agent's mirror while it is fresh, so
-            # the connector's scheduler side costs one local RPC and no directory load.
-            try:
-                found = read_holders(
-                    self.core.fetcher.directory,
-                    request.namespace,
-                    chain,
-                    LOOKUP_NODES_MAX,
-                    exclude_node=self.core.node_id,
-                )
-            except Exception as e:  # the directory being down must not fail local answers
-                context.set_trailing_metadata((("kvdir-directory-error", str(e)[:200]),))
-            else:
-                for m in found:
-                    resp.peers.add(
-                        node_id=m.node_id, prefix_blocks=m.prefix_blocks, transports=m.transports
-                    )
-                resp.ticket, resp.fetch_path = self._ticket(
-                    state, request.namespace, found, len(local)
-                )
-        return resp
+        if not chain:
+            return resp, ""
+        # The fetcher's directory reads: the agent's mirror while it is fresh, so
+        # the connector's scheduler side costs one local call and no directory load.
+        try:
+            found = read_holders(
+                self.core.fetcher.directory,
+                request.namespace,
+                chain,
+                LOOKUP_NODES_MAX,
+                exclude_node=self.core.node_id,
+            )
+        except Exception as e:  # the directory being down must not fail local answers
+            return resp, str(e)[:200]
+        for m in found:
+            resp.peers.add(
+                node_id=m.node_id, prefix_blocks=m.prefix_blocks, transports=m.transports
+            )
+        resp.ticket, resp.fetch_path = self._ticket(state, request.namespace, found, len(local))
+        return resp, ""
 
     def _ticket(
         self, state: PoolState, ns: pb.Namespace, matches: Sequence[Holder], local: int

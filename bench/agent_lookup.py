@@ -7,9 +7,12 @@ with it off; then four ways of answering the scheduler side's question
 ("which peers hold more of this 500-block chain than I do?"), interleaved in
 rounds so the machine's drift hits each alike:
 
-- ``agent-mirror``: EngineLookup over the reader's Unix socket, mirror on
-  (what the connector does today, with the default agent);
-- ``agent-rpc``: the same against the reader with the mirror off (each
+- ``agent-socket``: the same question over the reader's lookup socket
+  (agent/lookup_socket.py: length-prefixed frames, no gRPC), mirror on: what
+  the connector does today, with the default agent;
+- ``agent-mirror``: EngineLookup over the reader's gRPC engine socket, mirror
+  on (what the connector did before the lookup socket);
+- ``agent-rpc``: the lookup socket against the reader with the mirror off (each
   Lookup a gRPC call from the agent to a replica);
 - ``inproc-mirror``: the connector's own `Mirror` (a Watch stream into the
   engine process), `lookup(..., omit_records=True)` as the agent calls it;
@@ -68,7 +71,9 @@ READER_ID = "reader"
 """The node id both readers' lookups exclude (the in-process forms use it too)."""
 LOOKUP_NODES = RequestLimits().lookup_nodes_default
 """Peers per answer: what a replica (and the agent's Lookup) gives a request naming none."""
-FORMS = ("agent-mirror", "agent-rpc", "inproc-mirror", "inproc-holders", "direct-rpc")
+FORMS = (
+    "agent-socket", "agent-mirror", "agent-rpc", "inproc-mirror", "inproc-holders", "direct-rpc"
+)  # fmt: skip
 
 
 def _pool(slots: int) -> str:
@@ -114,6 +119,9 @@ def start(base: str) -> World:
             )
             a.launch(START_TIMEOUT_S)
             w.engines[name] = EngineClient(a.engine_socket, timeout_s=30)
+        w.engines["reader-on-grpc"] = EngineClient(
+            w.agents["reader-on"].engine_socket, timeout_s=30, lookup_socket=False
+        )
     except BaseException:
         stop(w)
         raise
@@ -156,7 +164,7 @@ def answers(w: World, m: Mirror, c: DirectoryClient, all_chains: list[list[bytes
     for chain in all_chains:
         got = [
             [(p.node_id, p.prefix_blocks) for p in w.engines[r].lookup(NS, chain).peers]
-            for r in ("reader-on", "reader-off")
+            for r in ("reader-on", "reader-on-grpc", "reader-off")
         ] + [
             [(x.node_id, x.prefix_blocks) for x in resp.matches]
             for resp in (
@@ -236,9 +244,11 @@ def forms_of(
 ) -> dict[str, tuple[Callable[[int], object], str]]:
     """Each form's call, and the reader agent it runs through ("" for none)."""
     on, off = w.engines["reader-on"], w.engines["reader-off"]
+    on_grpc = w.engines["reader-on-grpc"]
     key = namespace_key(NS)
     return {
-        "agent-mirror": (lambda i: on.lookup(NS, all_chains[i]), "reader-on"),
+        "agent-socket": (lambda i: on.lookup(NS, all_chains[i]), "reader-on"),
+        "agent-mirror": (lambda i: on_grpc.lookup(NS, all_chains[i]), "reader-on"),
         "agent-rpc": (lambda i: off.lookup(NS, all_chains[i]), "reader-off"),
         "inproc-mirror": (
             lambda i: m.lookup(NS, all_chains[i], exclude_node=READER_ID, omit_records=True),
@@ -309,8 +319,9 @@ def scrape_mirror(agent: LocalAgent) -> dict[str, float]:
 
 
 ROWS = (
-    ("agent-mirror", "EngineLookup over the agent's socket, agent mirror on"),
-    ("agent-rpc", "EngineLookup over the agent's socket, agent mirror off (gRPC to a replica)"),
+    ("agent-socket", "EngineLookup over the agent's lookup socket (no gRPC), agent mirror on"),
+    ("agent-mirror", "EngineLookup over the agent's gRPC socket, agent mirror on"),
+    ("agent-rpc", "EngineLookup over the lookup socket, agent mirror off (gRPC to a replica)"),
     ("inproc-mirror", "a Mirror inside the caller (no agent), the Lookup message"),
     ("inproc-holders", "a Mirror inside the caller, holders() (no message)"),
     ("direct-rpc", "the caller's own gRPC Lookup to a replica (no agent)"),

@@ -25,6 +25,7 @@ by the agent once the process is gone.
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from collections import deque
 from collections.abc import Sequence
@@ -34,7 +35,12 @@ import grpc
 
 from kvdir.agent.pool import STALE_EPOCH, STORED, Geometry, KvPool
 from kvdir.agent.pool_file import fits, read_superblock
-from kvdir.core.wire import namespace_key
+from kvdir.core.wire import (
+    LOOKUP_ANSWER_HEADER,
+    LOOKUP_REQUEST_HEADER,
+    LOOKUP_SOCKET_SUFFIX,
+    namespace_key,
+)
 from kvdir.transfer.memory import SharedMemory
 from kvdir.v1 import agent_pb2 as apb
 from kvdir.v1 import agent_pb2_grpc as apb_grpc
@@ -93,8 +99,97 @@ class _AttachedPool:
         return not self.pool.retired and self.pool.epoch == self.epoch
 
 
+def _error(method: str, code: grpc.StatusCode, details: str) -> EngineError:
+    """The exception of an agent's refusal (over gRPC or the lookup socket)."""
+    if code == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(STALE_EPOCH):
+        return PoolChanged(f"{method}: {details}")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return Refused(f"{method}: {details}")
+    return EngineError(f"{method}: {details}")
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class _LookupSocket:
+    """Each thread's connection to the agent's lookup socket (agent/lookup_socket.py):
+    a lookup is one frame each way, with no gRPC on either side. `ask` answers None
+    when the agent has no such socket or closed it unanswered (an older agent, or
+    one at its connection bound): the caller then asks over gRPC."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._open: set[socket.socket] = set()
+        self.fallbacks = 0
+
+    def ask(
+        self, req: apb.EngineLookupRequest, timeout_s: float
+    ) -> apb.EngineLookupResponse | None:
+        sock: socket.socket | None = getattr(self._local, "sock", None)
+        if sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.settimeout(timeout_s)
+                sock.connect(self.path)
+            except OSError:
+                sock.close()
+                self.fallbacks += 1
+                return None
+            self._local.sock = sock
+            with self._lock:
+                self._open.add(sock)
+        body = req.SerializeToString()
+        try:
+            sock.settimeout(timeout_s)
+            sock.sendall(LOOKUP_REQUEST_HEADER.pack(len(body)) + body)
+            code, length = LOOKUP_ANSWER_HEADER.unpack(_read(sock, LOOKUP_ANSWER_HEADER.size))
+            payload = _read(sock, length)
+        except OSError as e:
+            # Timed out or cut: an answer may still come, so this connection's stream
+            # is out of step; the next lookup on this thread opens another.
+            self._drop(sock)
+            if isinstance(e, ConnectionError):
+                self.fallbacks += 1
+                return None  # closed unanswered: the agent at its bound, or going away
+            raise EngineError(f"Lookup: {e or type(e).__name__}") from e
+        if code != grpc.StatusCode.OK.value[0]:
+            status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
+            raise _error("Lookup", status, payload.decode(errors="replace"))
+        return apb.EngineLookupResponse.FromString(payload)
+
+    def _drop(self, sock: socket.socket) -> None:
+        self._local.sock = None
+        with self._lock:
+            self._open.discard(sock)
+        sock.close()
+
+    def close(self) -> None:
+        """Every thread's connection (the client is closing)."""
+        with self._lock:
+            socks, self._open = list(self._open), set()
+        for sock in socks:
+            sock.close()
+
+
+def _read(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        got = sock.recv(n - len(buf))
+        if not got:
+            raise ConnectionError(f"the agent closed the lookup socket ({len(buf)} of {n} B)")
+        buf += got
+    return bytes(buf)
+
+
 class EngineClient:
-    def __init__(self, socket_path: str, timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, socket_path: str, timeout_s: float = 10.0, lookup_socket: bool = True
+    ) -> None:
+        """`lookup_socket`: ask lookups over the agent's lookup socket (gRPC when the
+        agent has none); False: always gRPC."""
+        self._lookups = _LookupSocket(socket_path + LOOKUP_SOCKET_SUFFIX) if lookup_socket else None
         self._channel = grpc.insecure_channel(f"unix:{socket_path}")
         self._stub = apb_grpc.EngineStub(self._channel)
         self.timeout_s = timeout_s
@@ -140,12 +235,7 @@ class EngineClient:
         try:
             return getattr(self._stub, method)(request, timeout=timeout_s or self.timeout_s)
         except grpc.RpcError as e:
-            details = e.details() or e.code().name
-            if e.code() == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(STALE_EPOCH):
-                raise PoolChanged(f"{method}: {details}") from e
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise Refused(f"{method}: {details}") from e
-            raise EngineError(f"{method}: {details}") from e
+            raise _error(method, e.code(), e.details() or e.code().name) from e
 
     @staticmethod
     def _check_epoch(method: str, pool: _AttachedPool, epoch: int) -> None:
@@ -308,7 +398,11 @@ class EngineClient:
     ) -> apb.EngineLookupResponse:
         pool = self._pool(ns)
         req = apb.EngineLookupRequest(namespace=ns, block_hashes=chain, epoch=pool.epoch)
-        resp = self._call("Lookup", req, timeout_s)
+        resp: object = None
+        if self._lookups is not None:
+            resp = self._lookups.ask(req, timeout_s or self.timeout_s)
+        if resp is None:
+            resp = self._call("Lookup", req, timeout_s)
         assert isinstance(resp, apb.EngineLookupResponse)
         self._check_epoch("Lookup", pool, resp.epoch)
         return resp
@@ -352,4 +446,6 @@ class EngineClient:
         self._wake.set()
         self._shipper.join(2.0)
         self._unmap()
+        if self._lookups is not None:
+            self._lookups.close()
         self._channel.close()

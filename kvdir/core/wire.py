@@ -11,6 +11,8 @@ languages).
 
 from __future__ import annotations
 
+import struct
+
 from kvdir.v1 import directory_pb2 as pb
 
 AGENT_WIRE_VERSION = 1
@@ -21,6 +23,14 @@ GRPC_MESSAGE_BYTES_MAX = 64 * 1024 * 1024
 
 HASH_BYTES_MAX = 32
 """Engines hash blocks to u64 (8 bytes) or to 32-byte digests."""
+
+LOOKUP_SOCKET_SUFFIX = ".lookup"
+"""The agent's lookup socket is its engine socket's path plus this (agent/lookup_socket.py)."""
+LOOKUP_REQUEST_HEADER = struct.Struct("<I")
+"""A lookup socket request: u32 length, then an EngineLookupRequest."""
+LOOKUP_ANSWER_HEADER = struct.Struct("<BI")
+"""Its answer: u8 gRPC status code number, u32 length, then an EngineLookupResponse
+(status 0) or the refusal's message in UTF-8."""
 
 NODE_ID_BYTES_MAX = 128
 HOST_BYTES_MAX = 256

@@ -20,6 +20,7 @@ import pytest
 from kvdir.agent.engine.client import EngineClient
 from kvdir.core.client import DirectoryClient
 from kvdir.core.security import ClientSecurity
+from kvdir.core.wire import LOOKUP_SOCKET_SUFFIX
 from kvdir.local import LocalAgent, LocalCluster, wait_for
 from kvdir.v1 import agent_pb2 as apb
 from kvdir.v1 import agent_pb2_grpc as apb_grpc
@@ -173,8 +174,10 @@ def test_token_mode_refuses_missing_and_wrong_tokens(
 
 
 def test_the_engine_socket_is_for_its_owner_and_group(agents: dict[str, LocalAgent]) -> None:
-    mode = stat.S_IMODE(os.stat(agents["node-a"].engine_socket).st_mode)
-    assert mode & 0o007 == 0, oct(mode)
+    sock = agents["node-a"].engine_socket
+    for path in (sock, sock + LOOKUP_SOCKET_SUFFIX):  # and its lookup socket, alike
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        assert mode & 0o007 == 0, (path, oct(mode))
 
 
 def test_the_tcp_data_plane_is_tls_for_certified_peers_only(

@@ -1,0 +1,157 @@
+"""The agent's lookup socket (agent/lookup_socket.py): the engine's Lookup without gRPC.
+
+Real agents (the trio: `kvdir agent serve` processes) and a real 3-replica
+directory. The socket must answer exactly what the gRPC Lookup answers,
+refuse bad input with a status and keep serving, bound its connections, and
+the engine library must fall back to gRPC where the socket is not there and
+fail (not hang) where the agent does not answer in time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import tempfile
+import threading
+import time
+
+import grpc
+import pytest
+
+from kvdir.agent.engine.client import EngineClient, EngineError, PoolChanged, Refused, _LookupSocket
+from kvdir.agent.pool import STALE_EPOCH
+from kvdir.core.client import DirectoryClient
+from kvdir.core.wire import LOOKUP_ANSWER_HEADER, LOOKUP_REQUEST_HEADER, LOOKUP_SOCKET_SUFFIX
+from kvdir.local import LocalCluster
+from kvdir.v1 import agent_pb2 as apb
+from kvdir.v1 import directory_pb2 as pb
+from tests.agent.conftest import Trio
+from tests.agent.helpers import NS, chain_of, store_chain, wait_prefix
+
+pytestmark = pytest.mark.integration
+
+BLOCKS = 5
+CONNECTIONS_MAX = 64  # agent/lookup_socket.py's bound (the test imports no daemon code)
+
+
+def _path(trio: Trio, name: str) -> str:
+    return trio.agents[name].engine_socket + LOOKUP_SOCKET_SUFFIX
+
+
+def _frame(sock: socket.socket, body: bytes, length: int | None = None) -> tuple[int, bytes]:
+    """One raw request and its answer: (status code number, payload)."""
+    sock.sendall(LOOKUP_REQUEST_HEADER.pack(len(body) if length is None else length) + body)
+    head = sock.recv(LOOKUP_ANSWER_HEADER.size, socket.MSG_WAITALL)
+    code, n = LOOKUP_ANSWER_HEADER.unpack(head)
+    return code, sock.recv(n, socket.MSG_WAITALL) if n else b""
+
+
+def _connect(path: str) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(path)
+    return s
+
+
+@pytest.mark.timeout(120)
+def test_the_socket_answers_what_grpc_answers_and_refuses_alike(
+    agent_cluster: LocalCluster, directory: DirectoryClient, trio: Trio
+) -> None:
+    chain = chain_of(1300, BLOCKS)
+    store_chain(trio.a, chain, seed=1300)
+    wait_prefix(agent_cluster, directory, chain, "a", BLOCKS, readers=[trio.c])
+    over_grpc = EngineClient(trio.agents["c"].engine_socket, lookup_socket=False)
+    try:
+        lean = trio.c.lookup(NS, chain)
+        assert trio.c._lookups is not None and trio.c._lookups.fallbacks == 0
+        assert lean == over_grpc.lookup(NS, chain)  # peers, ticket, path, epoch alike
+        assert [(p.node_id, p.prefix_blocks) for p in lean.peers] == [("a", BLOCKS)]
+        # A stale epoch and an unknown namespace: the same exceptions as over gRPC.
+        stale = apb.EngineLookupRequest(namespace=NS, block_hashes=chain, epoch=lean.epoch ^ 1)
+        with _connect(_path(trio, "c")) as s:
+            code, msg = _frame(s, stale.SerializeToString())
+            assert code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+            assert msg.decode().startswith(STALE_EPOCH)
+        other = pb.Namespace(model="not-served", block_tokens=NS.block_tokens)
+        raw = apb.EngineLookupRequest(namespace=other, block_hashes=chain)
+        assert trio.c._lookups is not None
+        with pytest.raises(Refused, match="no pool for namespace"):
+            trio.c._lookups.ask(raw, 5.0)
+        with pytest.raises(Refused, match="no pool for namespace"):
+            over_grpc._call("Lookup", raw)
+        with pytest.raises(PoolChanged):
+            trio.c._lookups.ask(stale, 5.0)
+    finally:
+        over_grpc.close()
+
+
+@pytest.mark.timeout(120)
+def test_bad_frames_are_refused_and_the_agent_keeps_serving(trio: Trio) -> None:
+    good = apb.EngineLookupRequest(namespace=NS, block_hashes=chain_of(1301, 2))
+    with _connect(_path(trio, "b")) as s:
+        code, msg = _frame(s, b"\xff\xff\xff garbage")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0], msg
+        assert b"not an EngineLookupRequest" in msg
+        code, _ = _frame(s, good.SerializeToString())  # the same connection goes on
+        assert code == 0
+        code, msg = _frame(s, b"", length=1 << 31)  # over the bound: refused, then closed
+        assert code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and b"over" in msg
+        assert s.recv(1) == b""
+    with _connect(_path(trio, "b")) as s:  # a new connection is served
+        assert _frame(s, good.SerializeToString())[0] == 0
+    assert trio.b.lookup(NS, chain_of(1301, 2)).epoch
+
+
+@pytest.mark.timeout(120)
+def test_connections_past_the_bound_are_closed_and_the_engine_asks_over_grpc(
+    trio: Trio,
+) -> None:
+    req = apb.EngineLookupRequest(namespace=NS, block_hashes=chain_of(1302, 1))
+    held = [_connect(_path(trio, "b")) for _ in range(CONNECTIONS_MAX + 1)]
+    try:
+        served = 0
+        for s in held:  # each in turn: the agent took them in this order
+            with contextlib.suppress(ConnectionError, struct.error):  # closed unanswered
+                served += _frame(s, req.SerializeToString())[0] == 0
+        # The trio's own client for b may hold one connection already (one thread).
+        assert CONNECTIONS_MAX - 1 <= served <= CONNECTIONS_MAX, served
+        late = EngineClient(trio.agents["b"].engine_socket)
+        try:
+            assert late._lookups is not None
+            assert late.lookup(NS, chain_of(1302, 1)).epoch  # answered over gRPC
+            assert late._lookups.fallbacks == 1
+        finally:
+            late.close()
+    finally:
+        for s in held:
+            s.close()
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_that_never_answers_fails_the_lookup_in_time() -> None:
+    """A stand-in listener (not an agent) that accepts and never answers: the engine
+    library's lookup must raise within its timeout and drop the connection."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "a.sock" + LOOKUP_SOCKET_SUFFIX)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(4)
+        accepted: list[socket.socket] = []
+        t = threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True)
+        t.start()
+        ls = _LookupSocket(path)
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="Lookup"):
+            ls.ask(apb.EngineLookupRequest(namespace=NS), 0.3)
+        assert time.monotonic() - t0 < 5.0
+        assert not ls._open  # dropped: its stream is out of step
+        ls.close()
+        for s in accepted:
+            s.close()
+        listener.close()
+    # No socket at all (an older agent): None, so the caller asks over gRPC.
+    missing = _LookupSocket("/nonexistent/kvdir.sock" + LOOKUP_SOCKET_SUFFIX)
+    assert missing.ask(apb.EngineLookupRequest(namespace=NS), 0.3) is None
+    assert missing.fallbacks == 1
