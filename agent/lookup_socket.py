@@ -46,6 +46,7 @@ from kvdir.core.wire import (
     LOOKUP_ANSWER_HEADER,
     LOOKUP_REQUEST_HEADER,
     LOOKUP_SOCKET_SUFFIX,
+    recv_exactly,
 )
 from kvdir.v1 import agent_pb2 as apb
 
@@ -73,19 +74,6 @@ def fits(path: str) -> bool:
     """Whether `path` can name a Unix socket (an engine socket near the limit leaves
     no room for the suffix: the agent then serves lookups over gRPC only)."""
     return len(os.fsencode(path)) <= PATH_BYTES_MAX
-
-
-def read_exactly(sock: socket.socket, n: int) -> bytes | None:
-    """`n` bytes, or None when the peer closed before the first of them."""
-    buf = bytearray()
-    while len(buf) < n:
-        got = sock.recv(n - len(buf))
-        if not got:
-            if buf:
-                raise ConnectionError(f"the peer closed mid-frame ({len(buf)} of {n} bytes)")
-            return None
-        buf += got
-    return bytes(buf)
 
 
 class LookupSocket:
@@ -163,16 +151,19 @@ class LookupSocket:
     def _one(self, conn: socket.socket) -> bool:
         """Read one request and answer it; False when the connection is to end."""
         conn.settimeout(None)  # an idle connection waits for its next request
-        head = read_exactly(conn, 1)
+        head = recv_exactly(conn, 1)
         if head is None:
             return False
         conn.settimeout(FRAME_TIMEOUT_S)
-        (length,) = HEADER.unpack(head + (read_exactly(conn, HEADER.size - 1) or b""))
+        rest = recv_exactly(conn, HEADER.size - 1)
+        if rest is None:
+            raise ConnectionError("the engine closed mid-frame")
+        (length,) = HEADER.unpack(head + rest)
         if length > FRAME_BYTES_MAX:
             self._send(conn, grpc.StatusCode.INVALID_ARGUMENT, f"frame of {length} B is over "
                        f"{FRAME_BYTES_MAX} B".encode())  # fmt: skip
             return False
-        body = read_exactly(conn, length) if length else b""
+        body = recv_exactly(conn, length) if length else b""
         if body is None:
             return False
         code, payload = self._answer(body)

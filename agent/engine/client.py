@@ -40,6 +40,7 @@ from kvdir.core.wire import (
     LOOKUP_REQUEST_HEADER,
     LOOKUP_SOCKET_SUFFIX,
     namespace_key,
+    recv_exactly,
 )
 from kvdir.transfer.memory import SharedMemory
 from kvdir.v1 import agent_pb2 as apb
@@ -174,13 +175,10 @@ class _LookupSocket:
 
 
 def _read(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray()
-    while len(buf) < n:
-        got = sock.recv(n - len(buf))
-        if not got:
-            raise ConnectionError(f"the agent closed the lookup socket ({len(buf)} of {n} B)")
-        buf += got
-    return bytes(buf)
+    got = recv_exactly(sock, n)
+    if got is None:
+        raise ConnectionError("the agent closed the lookup socket unanswered")
+    return got
 
 
 class EngineClient:

@@ -11,6 +11,7 @@ languages).
 
 from __future__ import annotations
 
+import socket
 import struct
 
 from kvdir.v1 import directory_pb2 as pb
@@ -31,6 +32,22 @@ LOOKUP_REQUEST_HEADER = struct.Struct("<I")
 LOOKUP_ANSWER_HEADER = struct.Struct("<BI")
 """Its answer: u8 gRPC status code number, u32 length, then an EngineLookupResponse
 (status 0) or the refusal's message in UTF-8."""
+
+
+def recv_exactly(sock: socket.socket, n: int) -> bytes | None:
+    """`n` bytes of a lookup socket frame, or None when the peer closed before the
+    first of them (a connection ending between frames); ConnectionError when it
+    closed in the middle."""
+    buf = bytearray()
+    while len(buf) < n:
+        got = sock.recv(n - len(buf))
+        if not got:
+            if buf:
+                raise ConnectionError(f"the peer closed mid-frame ({len(buf)} of {n} bytes)")
+            return None
+        buf += got
+    return bytes(buf)
+
 
 NODE_ID_BYTES_MAX = 128
 HOST_BYTES_MAX = 256
