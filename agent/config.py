@@ -6,7 +6,8 @@ directory = ["10.0.0.1:7101", "10.0.0.2:7101", "10.0.0.3:7101"]
 # shard_home = ["10.0.0.1:7101", ...]   # a sharded directory: its home group g0, instead
                                         # of `directory` (docs/sharding.md)
 listen = "10.0.1.7:7301"                # kvdir.v1.Agent for peers
-engine_socket = "/run/kvdir/agent.sock" # kvdir.v1.Engine for the local engine
+engine_socket = "/run/kvdir/agent.sock" # kvdir.v1.Engine for the local engine (and
+                                        # <path>.lookup: its lookups without gRPC)
 metrics_address = "10.0.1.7:7302"
 transports = ["shm", "tcp"]              # "rdma" (pyverbs; docs/rdma.md), "cuda" (GPU tier)
 rdma_device = "mlx5_0"                  # rdma only; default: first device with an active port
