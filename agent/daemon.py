@@ -315,6 +315,7 @@ class AgentDaemon:
             lookup_socket.path_of(cfg.engine_socket),
             engine_service.answer_lookup,
             ENGINE_SOCKET_MODE,
+            core.metrics.lookup_socket_refused.inc,
         )
         if lookup_socket.fits(lookups.path):
             try:

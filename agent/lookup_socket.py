@@ -77,10 +77,14 @@ def fits(path: str) -> bool:
 
 
 class LookupSocket:
-    def __init__(self, path: str, answer: Answer, mode: int) -> None:
+    def __init__(
+        self, path: str, answer: Answer, mode: int, on_refused: Callable[[], None] = lambda: None
+    ) -> None:
+        """`on_refused`: called for each connection closed at CONNECTIONS_MAX."""
         self.path = path
         self.answer = answer
         self.mode = mode
+        self.on_refused = on_refused
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -130,6 +134,7 @@ class LookupSocket:
                     self._conns.add(conn)
             if full:
                 self.refused_connections += 1
+                self.on_refused()
                 conn.close()
                 continue
             threading.Thread(

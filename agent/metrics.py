@@ -134,6 +134,12 @@ class AgentMetrics:
             registry=r,
         )
         self.lookups = Counter("kvdir_agent_lookups_total", "Engine lookups", registry=r)
+        self.lookup_socket_refused = Counter(
+            "kvdir_agent_lookup_socket_refused_connections_total",
+            "Engine connections to the lookup socket closed at its bound (those engines "
+            "ask over gRPC: slower, not wrong)",
+            registry=r,
+        )
         self.fetches = Counter(
             "kvdir_agent_fetches_total", "Fetches by outcome", ["outcome"], registry=r
         )

@@ -28,7 +28,7 @@ from kvdir.local import LocalCluster
 from kvdir.v1 import agent_pb2 as apb
 from kvdir.v1 import directory_pb2 as pb
 from tests.agent.conftest import Trio
-from tests.agent.helpers import NS, chain_of, store_chain, wait_prefix
+from tests.agent.helpers import NS, chain_of, scrape, store_chain, wait_prefix
 
 pytestmark = pytest.mark.integration
 
@@ -117,6 +117,8 @@ def test_connections_past_the_bound_are_closed_and_the_engine_asks_over_grpc(
                 served += _frame(s, req.SerializeToString())[0] == 0
         # The trio's own client for b may hold one connection already (one thread).
         assert CONNECTIONS_MAX - 1 <= served <= CONNECTIONS_MAX, served
+        refused = "kvdir_agent_lookup_socket_refused_connections_total"
+        assert scrape(trio.agents["b"].metrics_address).get(refused, 0.0) >= 1.0
         late = EngineClient(trio.agents["b"].engine_socket)
         try:
             assert late._lookups is not None
