@@ -56,8 +56,6 @@ CONNECTIONS_MAX = 64
 """Engines keep one connection per lookup thread (2 each in the vLLM connector)."""
 FRAME_BYTES_MAX = GRPC_MESSAGE_BYTES_MAX
 FRAME_TIMEOUT_S = 5.0
-HEADER = LOOKUP_REQUEST_HEADER
-ANSWER = LOOKUP_ANSWER_HEADER
 
 Answer = Callable[[apb.EngineLookupRequest], tuple[apb.EngineLookupResponse, str]]
 
@@ -90,7 +88,6 @@ class LookupSocket:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._acceptor: threading.Thread | None = None
-        self.refused_connections = 0
 
     def start(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -133,7 +130,6 @@ class LookupSocket:
                 if not full:
                     self._conns.add(conn)
             if full:
-                self.refused_connections += 1
                 self.on_refused()
                 conn.close()
                 continue
@@ -146,7 +142,7 @@ class LookupSocket:
             while not self._stopping.is_set():
                 if not self._one(conn):
                     return
-        except (OSError, ConnectionError) as e:
+        except OSError as e:  # ConnectionError among them
             log.debug("lookup socket: connection ended: %s", e)
         finally:
             with self._lock:
@@ -160,10 +156,10 @@ class LookupSocket:
         if head is None:
             return False
         conn.settimeout(FRAME_TIMEOUT_S)
-        rest = recv_exactly(conn, HEADER.size - 1)
+        rest = recv_exactly(conn, LOOKUP_REQUEST_HEADER.size - 1)
         if rest is None:
             raise ConnectionError("the engine closed mid-frame")
-        (length,) = HEADER.unpack(head + rest)
+        (length,) = LOOKUP_REQUEST_HEADER.unpack(head + rest)
         if length > FRAME_BYTES_MAX:
             self._send(conn, grpc.StatusCode.INVALID_ARGUMENT, f"frame of {length} B is over "
                        f"{FRAME_BYTES_MAX} B".encode())  # fmt: skip
@@ -191,4 +187,4 @@ class LookupSocket:
 
     @staticmethod
     def _send(conn: socket.socket, code: grpc.StatusCode, payload: bytes) -> None:
-        conn.sendall(ANSWER.pack(code.value[0], len(payload)) + payload)
+        conn.sendall(LOOKUP_ANSWER_HEADER.pack(code.value[0], len(payload)) + payload)

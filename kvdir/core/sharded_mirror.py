@@ -105,10 +105,6 @@ class ShardedMirror(ChainLookups):
 
     # ------------------------------------------------------------- routing
 
-    def route(self, hashes: Sequence[bytes]) -> dict[str, npt.NDArray[np.int64]]:
-        """Chain positions by owning group (`Router.positions`)."""
-        return self._router.positions(hashes)
-
     def set_map(self, shard_map: ShardMap) -> bool:
         """Route by a newer map (a split or a move committed in g0). Only the routing
         changes: each group's table keeps following its group, and a moved shard is
