@@ -45,15 +45,16 @@ DIGEST_EVERY_STEPS = 50
 SHM = "/dev/shm"
 
 
-class _LogCounter(logging.Handler):
+class LogCounter(logging.Handler):
     """Counts warnings and errors the replicas log (pysyncobj's 'failed' lines among them)."""
 
-    def __init__(self, sim: Simulation) -> None:
+    def __init__(self, logged: dict[str, int]) -> None:
         super().__init__(logging.WARNING)
-        self.sim = sim
+        self.logged = logged
+        """Lines by logger name (a run's `logged`)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.sim.logged[record.name] = self.sim.logged.get(record.name, 0) + 1
+        self.logged[record.name] = self.logged.get(record.name, 0) + 1
 
 
 class Simulation:
@@ -68,12 +69,14 @@ class Simulation:
         disk_lies: bool = False,
         tamper: Tamper | None = None,
         mirror_knobs: MirrorKnobs | None = None,
+        retries: bool = True,
     ) -> None:
         """`knobs`: fixed rates instead of the seed's; `disk_lies`: syncs record nothing
         (a disk that loses everything at a power cut: the checks must then catch lost
         writes, which is how the tests know they can fail); `tamper`: changes each
         Watch event before the mirror sees it (the mirror checks must then fail);
-        `mirror_knobs`: the mirror's rates instead of the seed's."""
+        `mirror_knobs`: the mirror's rates instead of the seed's; `retries`: clients
+        retry as kvdir's client does (`workload`); off, an operation is one attempt."""
         self.seed, self.steps, self.n = seed, steps, replicas
         self.rng = random.Random(f"sim/{seed}")
         drawn = Knobs.draw(self.rng)
@@ -95,7 +98,13 @@ class Simulation:
         )
         self._tmp = ""
         self.seats: dict[str, rp.SimReplica] = {}
-        self.work = Workload(owners=3, keys_per_owner=4, rng=random.Random(f"ops/{seed}"))
+        self.work = Workload(
+            owners=3,
+            keys_per_owner=4,
+            rng=random.Random(f"ops/{seed}"),
+            retries=retries,
+            now=lambda: self.clock.now,  # read without the cost a reading adds
+        )
         self._job_order = 0
         self.max_commit = 0
         """The largest commit index any replica has reached (what no mirror may pass)."""
@@ -123,10 +132,10 @@ class Simulation:
 
     def run(self) -> Result:
         t0 = time.process_time()
-        self._tmp = tempfile.mkdtemp(prefix="kvdir-sim-", dir=_tmp_root())
+        self._tmp = tempfile.mkdtemp(prefix="kvdir-sim-", dir=tmp_root())
         root_log = logging.getLogger()
         saved = (root_log.level, root_log.handlers)
-        root_log.handlers = [_LogCounter(self)]  # count, do not print, the replicas' lines
+        root_log.handlers = [LogCounter(self.logged)]  # count, do not print, the replicas' lines
         root_log.setLevel(logging.WARNING)
         try:
             with self.clock.installed(self.seed):
@@ -266,6 +275,8 @@ class Simulation:
         self.work.expire(self.clock.now, alive)
         self.members.settle_late(self)  # may stop a replica: the running ones are known after
         running = {a: s for a, s in self.seats.items() if s.up}
+        for started in self.work.retry(self.clock.now, running):
+            self.note(started)
         if faults and self.rng.random() < self.knobs.op:
             bulk = self.rng.random() < self.knobs.bulk
             started = self.work.start_op(self.clock.now, running, bulk)
@@ -373,7 +384,7 @@ class Simulation:
         }
 
 
-def _tmp_root() -> str:
+def tmp_root() -> str:
     return SHM if os.path.isdir(SHM) else tempfile.gettempdir()
 
 
@@ -384,8 +395,8 @@ def _close(seat: rp.SimReplica) -> None:
         seat.replica = None
 
 
-def run_seed(seed: int, steps: int, replicas: int = 3) -> Result:
-    return Simulation(seed, steps, replicas).run()
+def run_seed(seed: int, steps: int, replicas: int = 3, retries: bool = True) -> Result:
+    return Simulation(seed, steps, replicas, retries=retries).run()
 
 
 __all__ = ["Knobs", "Result", "Simulation", "run_seed"]

@@ -14,6 +14,15 @@ the next number), so the checker sees the exact real-time order. An
 operation whose replica crashed, or that was not answered within
 `OP_TIMEOUT_S` of simulated time, is recorded as unknown.
 
+With `retries`, a client behaves as kvdir's client does (kvdir/core/client.py):
+an attempt refused (NOT_APPLIED) is tried again at the leader the refusing
+replica names, and an attempt whose outcome is unknown, whose replica
+crashed or that was not answered within `ATTEMPT_TIMEOUT_S`, is tried again
+at another running replica, until `OP_TIMEOUT_S`. The operation is acknowledged
+when any attempt commits, and it is then on record as one operation from its
+first invoke to that answer: an earlier attempt that lands after it (a copy
+forwarded late) is a violation the history check catches.
+
 A few agents also publish chains of thousands of blocks in one command
 (larger than pysyncobj's 64 KiB append batches); those are not in the key
 model, they exercise the chunked appends.
@@ -28,6 +37,7 @@ from typing import Any
 
 from bench.chaos.history import Op
 from bench.chaos.workload import block_hash, key_name, owner_node, record_of
+from kvdir.core.client import BACKOFF_S_MAX, BACKOFF_S_MIN
 from kvdir.directory import codec
 from kvdir.directory.commands import Barrier, Command, Publish, RegisterNode, Remove, Tier
 from kvdir.directory.consensus.port import Outcome
@@ -38,6 +48,8 @@ NAMESPACE = "sim/model|16|bf16|paged"
 LEASE_MS = 600_000
 OP_TIMEOUT_S = 3.0
 """Simulated seconds a client waits for an answer before it counts the outcome unknown."""
+ATTEMPT_TIMEOUT_S = 0.5
+"""With retries: simulated seconds one attempt waits before the client tries elsewhere."""
 BULK_OWNER = 999
 """The agent whose large publishes are outside the key model."""
 MAX_NODES = 64
@@ -52,6 +64,18 @@ class _Pending:
     incarnation: int
     invoke: int
     deadline: float
+    cmd: Command
+    owner: int
+    k: int
+    attempt: int = 0
+    attempt_deadline: float = 0.0
+    in_flight: bool = True
+    unknown: bool = False
+    """An earlier attempt's outcome is unknown: the operation can no longer be a 'fail'."""
+    retry_at: str | None = None
+    """A retry is due: at this replica (the leader a refusal named), or anywhere ("")."""
+    retry_after: float = 0.0
+    """Not before this time: the client's backoff (kvdir/core/client.py's bounds)."""
 
 
 @dataclass
@@ -59,10 +83,16 @@ class Workload:
     owners: int
     keys_per_owner: int
     rng: random.Random
+    retries: bool = False
+    now: Callable[[], float] = lambda: 0.0
+    """The simulated time, read without advancing it (for the backoff of `retries`)."""
     ops: list[Op] = field(default_factory=list)
     clock: int = 0
     registered: set[int] = field(default_factory=set)
     registering: dict[int, float] = field(default_factory=dict)
+    leader_heard: str = ""
+    """With retries: the leader the last refusal named (a registration or a bulk
+    publish goes there, as an agent's client goes to the leader it heard of)."""
     gen: dict[str, int] = field(default_factory=dict)
     busy: dict[str, _Pending] = field(default_factory=dict)
     rejected: int = 0
@@ -84,9 +114,13 @@ class Workload:
         for owner in [*range(self.owners), BULK_OWNER]:
             if owner not in self.registered and now >= self.registering.get(owner, 0.0):
                 self.registering[owner] = now + OP_TIMEOUT_S
-                self._propose(seat, _register(owner, now), self._on_registered(owner))
+                if self.retries and self.leader_heard in replicas:
+                    addr, seat = self.leader_heard, replicas[self.leader_heard]
+                self._propose(seat, _register(owner, now), self._on_registered(owner, seat))
                 return f"register {owner_node(owner)} at {addr}"
         if bulk and BULK_OWNER in self.registered:
+            if self.retries and self.leader_heard in replicas:
+                addr, seat = self.leader_heard, replicas[self.leader_heard]
             self.bulk_publishes += 1
             size = self.rng.randint(1500, 3000)
             self._propose(seat, _bulk(size, self.bulk_publishes), lambda _r: None)
@@ -114,27 +148,66 @@ class Workload:
             kind, value, cmd = "remove", gen, _remove(owner, k, gen)
         else:
             kind, value, cmd = "read", None, Barrier()
-        p = _Pending(key, kind, value, addr, seat.incarnation, self.tick(), now + OP_TIMEOUT_S)
+        p = _Pending(
+            key, kind, value, addr, seat.incarnation, self.tick(), now + OP_TIMEOUT_S, cmd, owner, k
+        )
+        p.attempt_deadline = now + (ATTEMPT_TIMEOUT_S if self.retries else OP_TIMEOUT_S)
         self.busy[key] = p
         self._propose(seat, cmd, self._on_done(p, seat, owner, k))
         return f"{kind} {key} g{value} at {addr}"
 
     def _propose(self, seat: Any, cmd: Command, done: Callable[[Any], None]) -> None:
-        seat.replica.propose_blob(codec.encode(cmd), lambda res, err: done(result_of(res, err)))
+        seat.replica.propose_blob(
+            codec.encode(cmd),
+            lambda res, err: done(result_of(res, err)),
+            may_forward=isinstance(cmd, Barrier),
+        )
+
+    def retry(self, now: float, replicas: dict[str, Any]) -> list[str]:
+        """Start the retries that are due (with `retries`); returns what was started."""
+        started = []
+        running = sorted(replicas)
+        for key in sorted(self.busy):
+            p = self.busy[key]
+            if p.retry_at is None or now >= p.deadline or now < p.retry_after or not running:
+                continue
+            addr = p.retry_at if p.retry_at in replicas else self.rng.choice(running)
+            seat = replicas[addr]
+            p.attempt += 1
+            p.replica, p.incarnation, p.retry_at, p.in_flight = addr, seat.incarnation, None, True
+            p.attempt_deadline = now + ATTEMPT_TIMEOUT_S
+            self._propose(seat, p.cmd, self._on_done(p, seat, p.owner, p.k))
+            started.append(f"retry {p.kind} {key} g{p.value} at {addr} (attempt {p.attempt + 1})")
+        return started
 
     # -------------------------------------------------------------- answers
 
-    def _on_registered(self, owner: int) -> Callable[[Any], None]:
+    def _on_registered(self, owner: int, seat: Any) -> Callable[[Any], None]:
         def done(res: Any) -> None:
             if res.outcome is Outcome.COMMITTED:
                 self.registered.add(owner)
+            elif self.retries and res.outcome is Outcome.NOT_APPLIED:
+                # As an agent does: register again at once, at the leader named.
+                self.registering[owner] = 0.0
+                self.leader_heard = _leader_named(seat)
 
         return done
 
     def _on_done(self, p: _Pending, seat: Any, owner: int, k: int) -> Callable[[Any], None]:
+        attempt = p.attempt
+
         def done(res: Any) -> None:
-            if self.busy.get(p.key) is not p:
-                return  # given up on already (timeout or crash): recorded as unknown
+            if self.busy.get(p.key) is not p or p.attempt != attempt or not p.in_flight:
+                return  # an attempt given up on (timeout or crash), as a client's RPC is
+            p.in_flight = False
+            if self.retries and res.outcome is not Outcome.COMMITTED:
+                p.unknown |= res.outcome is Outcome.UNKNOWN
+                if res.outcome is Outcome.NOT_APPLIED:
+                    p.retry_at = self.leader_heard = _leader_named(seat)
+                else:
+                    p.retry_at = ""
+                self._backoff(p)
+                return
             del self.busy[p.key]
             if res.outcome is Outcome.NOT_APPLIED:
                 self._record(p, "fail")
@@ -144,7 +217,10 @@ class Workload:
                 table = seat.replica.table if seat.replica is not None else None
                 self._record(p, "ok", value=_generation(table, owner, k))
             else:
-                self._record(p, "ok", result=self._result(res.result))
+                # After an attempt whose outcome is unknown, the answer is the retry's:
+                # an earlier attempt may have applied, so the count says nothing.
+                result = self._result(res.result)
+                self._record(p, "ok", result=None if p.unknown else result)
 
         return done
 
@@ -185,12 +261,24 @@ class Workload:
     # ------------------------------------------------------------ give up
 
     def expire(self, now: float, alive: Callable[[str, int], bool]) -> None:
-        """Operations whose replica crashed or whose time ran out become unknown."""
+        """Operations whose replica crashed or whose time ran out become unknown; with
+        `retries`, an attempt whose replica crashed or whose time ran out is retried
+        (`retry`) until the operation's time runs out."""
         for key in sorted(self.busy):
             p = self.busy[key]
-            if now >= p.deadline or not alive(p.replica, p.incarnation):
+            lost = p.in_flight and (
+                now >= p.attempt_deadline or not alive(p.replica, p.incarnation)
+            )
+            if now >= p.deadline or (lost and not self.retries):
                 del self.busy[key]
-                self._record(p, "unknown")
+                self._record(p, "unknown" if p.unknown or p.in_flight else "fail")
+            elif lost:
+                p.unknown, p.in_flight, p.retry_at = True, False, ""
+                self._backoff(p)
+
+    def _backoff(self, p: _Pending) -> None:
+        pause = min(BACKOFF_S_MAX, BACKOFF_S_MIN * 2**p.attempt) * (0.5 + self.rng.random())
+        p.retry_after = self.now() + pause
 
     def final_state(self, table: Table) -> dict[str, int | None]:
         return {
@@ -198,6 +286,13 @@ class Workload:
             for o in range(self.owners)
             for k in range(self.keys_per_owner)
         }
+
+
+def _leader_named(seat: Any) -> str:
+    """The leader's address as the replica at `seat` knows it (a refusal's hint), or ""."""
+    r = seat.replica
+    leader = r._getLeader() if r is not None else None
+    return "" if leader is None else str(leader.address)
 
 
 def _register(owner: int, now: float) -> RegisterNode:

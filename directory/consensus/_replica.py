@@ -10,6 +10,9 @@ Ordering contracts:
   the entry's index (pysyncobj bumps `raftLastApplied` after the apply returns).
 - A write's callback runs after this replica applied it (pysyncobj calls back
   from its tick thread after the local apply).
+- A write is appended only by the leader that took it, in the term it took it
+  in (`propose_blob`, `_LeaderQueue`); only a Barrier may travel to the leader
+  through a follower.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pysyncobj import SyncObjConf, replicated
+from pysyncobj import FAIL_REASON, SyncObjConf, replicated
 from pysyncobj.config import SERIALIZER_STATE
+from pysyncobj.fast_queue import FastQueue
 from pysyncobj.monotonic import monotonic as raft_clock  # pysyncobj's own clock
 from pysyncobj.node import TCPNode
 
@@ -54,6 +58,48 @@ REQUEST_ID_BITS = 62
 """Forwarded commands are numbered from a random start this wide (see `Replica.__init__`)."""
 
 Listener = Callable[[int, Command, Result], None]
+Callback = Callable[[Result | None, int], None]
+
+
+class _Termed:
+    """A write's callback, with the term in which this replica, as leader, took it."""
+
+    __slots__ = ("callback", "term")
+
+    def __init__(self, callback: Callback, term: int) -> None:
+        self.callback, self.term = callback, term
+
+    def __call__(self, result: Result | None, error: int) -> None:
+        self.callback(result, error)
+
+
+class _LeaderQueue(FastQueue):  # type: ignore[misc]  # pysyncobj is untyped
+    """pysyncobj's command queue, which hands the Raft thread a write only while this
+    replica still leads the term the write was taken in; any other is refused
+    (NOT_LEADER: never appended, so not applied), never forwarded.
+
+    pysyncobj forwards what a follower's queue holds to the leader, and holds
+    it while no leader is known. A write a client gave up on (its attempt timed
+    out, on a paused or partitioned old leader) then reached the log after the
+    client's retry had committed and after the client's next write: an
+    acknowledged Remove undone by a late copy of the Publish before it (the
+    chaos run of bench/results/chaos-2026-12-04-violation.md). Appended in the
+    term it was taken in, a write is either in the log before anything a later
+    leader commits, or it is cut with its term and never commits.
+    """
+
+    def __init__(self, replica: Replica, size: int) -> None:
+        super().__init__(size)
+        self.replica = replica
+
+    def get_nowait(self) -> tuple[Any, Any]:
+        while True:
+            command, callback = super().get_nowait()  # raises Empty: nothing left
+            if isinstance(callback, _Termed) and not self.replica.leads(callback.term):
+                self.replica.refused_writes += 1
+                callback(None, FAIL_REASON.NOT_LEADER)
+                continue
+            return command, callback
 
 
 def _in_a_thread(job: Callable[[], None]) -> None:
@@ -143,6 +189,9 @@ class Replica(DurableSyncObj):
     _SyncObj__recvTransmission: Any  # pysyncobj's buffer of a big entry's chunks
     _SyncObj__raftCommitIndex: int
     _SyncObj__commandsLocalCounter: int  # the last forwarded command's request id
+    _SyncObj__commandsQueue: FastQueue
+    _SyncObj__raftState: int
+    _SyncObj__raftCurrentTerm: int
 
     def __init__(
         self,
@@ -202,6 +251,9 @@ class Replica(DurableSyncObj):
         self._SyncObj__raftElectionDeadline = raft_clock() + tuning.startup_grace_s
         self._joining = join
         """Never campaign before a leader has been heard from (a replica being added)."""
+        self.refused_writes = 0
+        """Writes refused because this replica did not lead their term (`_LeaderQueue`)."""
+        self._SyncObj__commandsQueue = _LeaderQueue(self, tuning.commands_queue_max)
 
     # ------------------------------------------------------------ raft safety
 
@@ -418,8 +470,28 @@ class Replica(DurableSyncObj):
             except Exception:  # as for apply listeners: never stop the Raft thread
                 log.exception("install listener failed", extra={"index": index})
 
-    def propose_blob(self, blob: bytes, callback: Callable[[Result | None, int], None]) -> None:
-        self._apply_blob(blob, callback=callback)
+    def leads(self, term: int) -> bool:
+        """Whether this replica is the leader of `term` now."""
+        return self._SyncObj__raftState == _LEADER and self._SyncObj__raftCurrentTerm == term
+
+    def propose_blob(self, blob: bytes, callback: Callback, may_forward: bool = False) -> None:
+        """Propose a command; any thread. A write (`may_forward` False) is taken only
+        while this replica leads, and appended only in the term it was taken in
+        (`_LeaderQueue`); elsewhere it is refused at once (NOT_LEADER), so a client
+        that retries at the leader can never see this copy land after its retry.
+        `may_forward`: a command with no effect (a Barrier) may reach the leader
+        through this replica, as pysyncobj forwards it."""
+        if may_forward:
+            self._apply_blob(blob, callback=callback)
+            return
+        # The term first: if this replica leads when its state is read, it leads that
+        # term or a later one (then the queue refuses the write: not applied, truly).
+        term = int(self._SyncObj__raftCurrentTerm)
+        if self._SyncObj__raftState != _LEADER:
+            self.refused_writes += 1
+            callback(None, FAIL_REASON.NOT_LEADER)
+            return
+        self._apply_blob(blob, callback=_Termed(callback, term))
 
     # ------------------------------------------------------------- snapshots
 

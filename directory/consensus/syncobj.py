@@ -49,7 +49,7 @@ _NOT_APPLIED = {
     FAIL_REASON.QUEUE_FULL: "raft command queue is full",
     FAIL_REASON.MISSING_LEADER: "no leader (election in progress or no quorum)",
     FAIL_REASON.DISCARDED: "discarded: a new leader overwrote the entry",
-    FAIL_REASON.NOT_LEADER: "the replica forwarded to is no longer leader",
+    FAIL_REASON.NOT_LEADER: "not the leader (or no longer the leader of the write's term)",
     FAIL_REASON.REQUEST_DENIED: "request denied by raft",
 }
 _UNKNOWN = {
@@ -140,7 +140,9 @@ class RaftConsensus(Consensus):
     # ---------------------------------------------------------------- writes
 
     def propose(self, cmd: Command, on_done: Done) -> None:
-        self._r.propose_blob(codec.encode(cmd), _callback(on_done))
+        self._r.propose_blob(
+            codec.encode(cmd), _callback(on_done), may_forward=isinstance(cmd, Barrier)
+        )
 
     def barrier(self, timeout_s: float) -> WriteResult:
         with self._barrier_lock:

@@ -8,7 +8,13 @@ a bounded number of attempts:
   or the next replica.
 - unknown outcome: retried too, because every directory write is idempotent
   (publishes carry generations, removes are guarded, registration is keyed by
-  incarnation); `retry_unknown=False` surfaces `OutcomeUnknown` instead.
+  incarnation) and a replica appends a write only while it leads the term it
+  took it in, so an earlier attempt is in the log before the retry or never
+  commits: it cannot land after the client's next write.
+  `retry_unknown=False` surfaces `OutcomeUnknown` instead.
+- Only the leader takes writes: a follower refuses with the leader's address,
+  which the client adds to its addresses (up to `ADDRESSES_MAX`) when it was
+  given another list (a single address in front of the replicas).
 - INVALID_ARGUMENT: never retried; raised as `DirectoryError` with its reason.
 - UNAUTHENTICATED / PERMISSION_DENIED (secure mode): never retried.
 
@@ -23,6 +29,7 @@ from __future__ import annotations
 
 import random
 import sys
+import threading
 import time
 from array import array
 from collections.abc import Sequence
@@ -37,6 +44,8 @@ from kvdir.v1 import directory_pb2 as pb
 from kvdir.v1 import directory_pb2_grpc as pb_grpc
 
 ATTEMPTS_MAX = 64
+ADDRESSES_MAX = 16
+"""Addresses a client holds: those it was given and the leaders it was told of."""
 BACKOFF_S_MIN = 0.01
 BACKOFF_S_MAX = 0.05  # an election takes ~0.2-0.3 s: poll it finely
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -293,6 +302,8 @@ class DirectoryClient(DirectoryRequests):
             ("grpc.max_receive_message_length", GRPC_MESSAGE_BYTES_MAX),
         ]
         self.security = security
+        self._options = opts
+        self._adding = threading.Lock()
         self._channels = {a: security.channel(a, opts) for a in self.addresses}
         self._stubs = {a: pb_grpc.PrefixDirectoryStub(c) for a, c in self._channels.items()}
         self._preferred = 0
@@ -316,10 +327,22 @@ class DirectoryClient(DirectoryRequests):
         return self.addresses[self._preferred]
 
     def _next_address(self, hint: str) -> None:
+        if hint and hint not in self._stubs and len(self.addresses) < ADDRESSES_MAX:
+            self._add_address(hint)
         if hint and hint in self._stubs:
             self._preferred = self.addresses.index(hint)
         else:
             self._preferred = (self._preferred + 1) % len(self.addresses)
+
+    def _add_address(self, address: str) -> None:
+        """A leader that was not in the given list (a refusal named it)."""
+        with self._adding:  # calls on several threads may hear of it at once
+            if address in self._stubs or len(self.addresses) >= ADDRESSES_MAX:
+                return
+            channel = self.security.channel(address, self._options)
+            self._channels[address] = channel
+            self._stubs[address] = pb_grpc.PrefixDirectoryStub(channel)
+            self.addresses.append(address)
 
     def call(
         self,

@@ -35,14 +35,21 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.timeout(60)
-def test_publish_through_follower_is_read_on_every_replica(shared_cluster: LocalCluster) -> None:
+def test_a_write_sent_to_a_follower_reaches_the_leader_and_every_replica(
+    shared_cluster: LocalCluster,
+) -> None:
     space = ns("cluster/publish-via-follower")
     blocks = chain(40, salt=1)
     writer, reader = followers(shared_cluster)
+    # The client knows only a follower: the follower refuses the write and names the
+    # leader (it does not forward it: a forwarded copy could land after the client's
+    # retry and its next write), and the client goes there.
     with DirectoryClient([writer.grpc_address], timeout_s=10) as w:
         register(w, "pv-node")
         resp = publish(w, "pv-node", 1, space, blocks)
+        leader = w.preferred()
     assert (resp.applied, resp.stale) == (40, 0)
+    assert leader not in (writer.grpc_address, reader.grpc_address)
     assert resp.applied_index > 0
 
     with shared_cluster.client(timeout_s=10) as c:
@@ -201,6 +208,13 @@ def test_higher_incarnation_drops_old_entries(
     for r in shared_cluster.replicas:
         with raw_stub(r.grpc_address) as stub:
             e = rpc_error(functools.partial(stub.Publish, stale, timeout=10))
+        if r is not leader:  # a follower takes no write: it names the leader
+            assert e.code() == grpc.StatusCode.UNAVAILABLE, (r.replica_id, e)
+            assert trailers(e) == {
+                "kvdir-outcome": "not-applied",
+                "kvdir-leader": leader.grpc_address,
+            }
+            continue
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT, (r.replica_id, e)
         assert trailers(e).get("kvdir-reason") == "stale-incarnation"
         assert e.details()

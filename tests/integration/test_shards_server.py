@@ -209,7 +209,7 @@ def test_a_request_to_the_wrong_group_is_refused_with_the_version(
 
 def test_set_shard_map_refuses_stale_versions_and_invalid_maps(sharded: ShardedCluster) -> None:
     m = current_map(sharded)
-    addr = sharded.home.replicas[1].grpc_address  # any home replica, leader or not
+    addr = sharded.home.wait_leader(10).grpc_address  # a follower takes no write
     split = m.with_split(m.shards[0].shard_id, 1000)
 
     e = refused(lambda: set_map(addr, m.version - 1, shard_wire.to_pb(split)))
@@ -253,7 +253,7 @@ def test_set_shard_map_refuses_stale_versions_and_invalid_maps(sharded: ShardedC
 
 
 def test_move_steps_refuse_bad_input_with_a_status(sharded: ShardedCluster) -> None:
-    addr = sharded.clusters["g1"].replicas[0].grpc_address
+    addr = sharded.clusters["g1"].wait_leader(10).grpc_address  # a follower takes no write
 
     def admin(call: Callable[[pb_grpc.DirectoryAdminStub], object]) -> grpc.RpcError:
         with grpc.insecure_channel(addr) as ch:
@@ -393,7 +393,7 @@ def test_a_caller_with_a_newer_map_makes_a_replica_refresh_at_once(
 ) -> None:
     before = current_map(sharded)
     s = before.shards[-1]
-    addr = sharded.home.replicas[0].grpc_address
+    addr = sharded.home.wait_leader(10).grpc_address
     set_map(addr, before.version, shard_wire.to_pb(before.with_split(s.shard_id, 500)))
     # Asked at once (the periodic refresh is up to 1 s away): each replica fetches first.
     for r in sharded.clusters["g1"].replicas:
