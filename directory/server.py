@@ -8,9 +8,10 @@ Error contract (also in the .proto and docs/directory.md):
 
 - INVALID_ARGUMENT: malformed, over a limit, or refused by the state machine
   (unknown node, stale incarnation); trailing metadata ``kvdir-reason``.
-- UNAVAILABLE: no leader / no quorum, or Raft definitely did not apply the
-  write; ``kvdir-outcome: not-applied`` and ``kvdir-leader`` (gRPC address of
-  the leader, when known). Safe to retry.
+- UNAVAILABLE: no leader / no quorum, not the leader (only the leader takes
+  a write), or Raft definitely did not apply the write; ``kvdir-outcome:
+  not-applied`` and ``kvdir-leader`` (gRPC address of the leader, when
+  known). Safe to retry.
 - ABORTED or DEADLINE_EXCEEDED with ``kvdir-outcome: unknown``: the write may
   or may not have committed. Every write is idempotent, so retry it.
 - RESOURCE_EXHAUSTED: too many writes waiting on Raft; retry with backoff.
@@ -173,8 +174,13 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         return limit if remaining is None else max(0.0, min(limit, remaining))
 
     def _write(self, cmd: Any, context: grpc.ServicerContext) -> Result:
-        if self.consensus.status().leader is None:
+        # Only the leader takes a write: one a follower forwarded could reach the log
+        # after the client's retry and its next write (docs/directory.md, "Writes").
+        status = self.consensus.status()
+        if status.leader is None:
             self._unavailable(context, "no leader: the directory has no quorum right now")
+        if status.role is not Role.LEADER:
+            self._unavailable(context, "not the leader: writes go to the leader (kvdir-leader)")
         if not self._inflight.acquire(blocking=False):
             context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -360,12 +366,18 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         else:
             self._check_caught_up(context)
         resp = pb.LookupResponse()
+        moving: list[str] = []
 
         def lookup(table: Table) -> None:
+            if table.fence and (why := table.fence.lookup_refusal(chain.items())) is not None:
+                moving.append(why)
+                return
             matches = table.lookup(ns, chain, max_nodes, request.exclude_node)
             self._fill(resp.matches, table, matches, request.omit_records)
 
         self.consensus.read(lookup)
+        if moving:
+            self.shards.moving(context, moving[0])
         resp.read.CopyFrom(self.read_info(request.linearizable))
         return resp
 
@@ -388,13 +400,22 @@ class DirectoryService(pb_grpc.PrefixDirectoryServicer):
         else:
             self._check_caught_up(context)
         resp = pb.LookupBatchResponse()
+        moving: list[str] = []
 
         def lookup_all(table: Table) -> None:
+            if table.fence:
+                found = (table.fence.lookup_refusal(chain.items()) for _, chain, _ in parsed)
+                why = next((w for w in found if w is not None), None)
+                if why is not None:
+                    moving.append(why)
+                    return
             for lk, (ns, chain, max_nodes) in zip(request.lookups, parsed, strict=True):
                 matches = table.lookup(ns, chain, max_nodes, lk.exclude_node)
                 self._fill(resp.results.add().matches, table, matches, lk.omit_records)
 
         self.consensus.read(lookup_all)
+        if moving:
+            self.shards.moving(context, moving[0])
         resp.read.CopyFrom(self.read_info(request.linearizable))
         return resp
 

@@ -67,6 +67,20 @@ class ShardFence:
                 return i, self._ranges[j]
         return None
 
+    def lookup_refusal(self, hashes: Sequence[bytes]) -> str | None:
+        """Why a lookup of `hashes` must not be answered from this table: a block in a
+        shard it has fenced (frozen: moving away, maybe partly dropped; or still
+        importing), else None. Read under the table's lock, after any barrier: the
+        replica's map may lag behind the move, its log does not (a linearizable read
+        of a moved shard answered "absent" from a half-dropped table: the simulator
+        of groups, seed 27)."""
+        hit = self.fenced(hashes)
+        if hit is None:
+            return None
+        r = hit[1]
+        state = "moving away" if r.shard_id in self.frozen else "still importing"
+        return f"shard {r.shard_id} is {state} on this group: ask its owner under a newer map"
+
     def freeze(self, r: Range) -> None:
         self.frozen[r.shard_id] = r
         self.drop_next[r.shard_id] = 0

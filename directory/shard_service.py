@@ -246,6 +246,16 @@ class ShardGuard:
         )
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
+    def moving(self, context: grpc.ServicerContext, message: str) -> NoReturn:
+        """A lookup of a shard this group's log has fenced (`server._moving`)."""
+        context.set_trailing_metadata(
+            (
+                ("kvdir-reason", shard_wire.REASON_SHARD_MOVING),
+                (shard_wire.SHARD_MAP_VERSION_KEY, str(self.view.version)),
+            )
+        )
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, message)
+
     def _no_map(self, context: grpc.ServicerContext, message: str) -> NoReturn:
         context.set_trailing_metadata(
             (

@@ -62,9 +62,10 @@ class Mover:
         settled: Callable[[], T | None] = lambda: None,
     ) -> T:
         """`call` on the group's replicas in turn until one answers; UNAVAILABLE and
-        an unknown outcome (ABORTED) are retried, anything else stops. A retry that
-        is refused after an unknown outcome asks `settled` whether the first try
-        did apply (its answer, then) before it gives up."""
+        an unknown outcome (ABORTED, or UNAVAILABLE that the replica did not say was
+        not applied: the connection broke mid-call) are retried, anything else
+        stops. A retry that is refused after an unknown outcome asks `settled`
+        whether the first try did apply (its answer, then) before it gives up."""
         last = "no replica answered"
         unknown = False
         while True:
@@ -75,7 +76,7 @@ class Mover:
                         return call(ch)
                     except grpc.RpcError as e:
                         last = f"{addr}: {e.details() or e.code().name}"
-                        if e.code() == grpc.StatusCode.ABORTED:
+                        if e.code() == grpc.StatusCode.ABORTED or _maybe_applied(e):
                             unknown = True
                         elif e.code() != grpc.StatusCode.UNAVAILABLE:
                             done = settled() if unknown else None
@@ -214,3 +215,13 @@ def move(
 
 
 __all__ = ["move"]
+
+
+def _maybe_applied(e: grpc.RpcError) -> bool:
+    """UNAVAILABLE without the replica's `kvdir-outcome: not-applied`: the call may
+    have reached Raft before the connection broke (a replica killed mid-call)."""
+    if e.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    trailers = {item.key: item.value for item in e.trailing_metadata() or ()}
+    outcome = trailers.get("kvdir-outcome", "")
+    return (outcome.decode() if isinstance(outcome, bytes) else outcome) != "not-applied"

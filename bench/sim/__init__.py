@@ -12,6 +12,9 @@
   see of a run; `faults`, `membership`: what a seed injects; `ending`: healing
   and the history's checks.
 - `simulation`: one seeded run; `run`: many seeds, the command line;
+- `groups`: one seeded run of several groups with a split and a move (issue
+  31), over `group` (one group on a shared clock), `shard_clients` (clients
+  routed by map), `mover` (the move protocol's steps) and `shard_checks`;
   `report`: a run's JSON and the markdown of merged runs.
 """
 
@@ -33,6 +36,12 @@ def add_parser(sub: Any) -> None:
     s.add_argument("--seed", type=int, default=1, help="the first seed")
     s.add_argument("--steps", type=int, default=1000, help="steps (10 ms of simulated time) each")
     s.add_argument("--replicas", type=int, default=3, choices=[3, 5])
+    s.add_argument(
+        "--groups",
+        type=int,
+        default=1,
+        help="Raft groups of 3 replicas (2 or more: a split and a move under faults, `groups`)",
+    )
     s.add_argument("--jobs", type=int, default=1, help="worker processes")
     s.add_argument(
         "--budget-s",

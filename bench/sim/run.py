@@ -24,19 +24,21 @@ from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wai
 
 from bench.sim import report
 from bench.sim.checks import Violation
+from bench.sim.groups import run_groups
 from bench.sim.knobs import Result
 from bench.sim.simulation import run_seed
 
 PROGRESS_EVERY_S = 30.0
 
 
-def _one(job: tuple[int, int, int, bool]) -> Result:
+def _one(job: tuple[int, int, int, bool, int]) -> Result:
     """One seed; an exception of the simulator itself is that seed's failure, not the run's.
-    Only a failing seed's trace travels back (its tail, or all of it with `full_trace`)."""
-    seed, steps, replicas, full_trace = job
+    Only a failing seed's trace travels back (its tail, or all of it with `full_trace`).
+    With `groups` of 2 or more, a run of that many groups (`groups.run_groups`)."""
+    seed, steps, replicas, full_trace, groups = job
     t0 = time.process_time()
     try:
-        res = run_seed(seed, steps, replicas)
+        res = run_groups(seed, steps, groups) if groups > 1 else run_seed(seed, steps, replicas)
         res.trace = res.trace if full_trace else res.tail() if res.violations else []
         return res
     except Exception as e:
@@ -52,6 +54,12 @@ def cmd_sim(args: argparse.Namespace) -> int:
         return report.merge(args.merge, args.report)
     if args.replicas not in (3, 5):
         print("kvdir sim: --replicas must be 3 or 5", file=sys.stderr)
+        return 2
+    if args.groups < 1:
+        print("kvdir sim: --groups must be at least 1", file=sys.stderr)
+        return 2
+    if args.groups > 1 and args.replicas != 3:
+        print("kvdir sim: a run of groups has 3 replicas per group", file=sys.stderr)
         return 2
     if args.seeds < 1 or args.steps < 1 or args.jobs < 1:
         print("kvdir sim: --seeds, --steps and --jobs must be at least 1", file=sys.stderr)
@@ -69,7 +77,10 @@ def cmd_sim(args: argparse.Namespace) -> int:
 
 
 def _run_seeds(args: argparse.Namespace, run: report.Run) -> list[Result]:
-    todo = [(args.seed + i, args.steps, args.replicas, args.trace) for i in range(args.seeds)]
+    todo = [
+        (args.seed + i, args.steps, args.replicas, args.trace, args.groups)
+        for i in range(args.seeds)
+    ]
     todo.reverse()  # popped from the end: seeds start in order
     results: list[Result] = []
     inflight: set[Future[Result]] = set()

@@ -58,7 +58,7 @@ from kvdir.directory import answer, codec, snapshot, validate
 from kvdir.directory.commands import Command
 from kvdir.directory.limits import RequestLimits
 from kvdir.directory.lookup import Chain
-from kvdir.directory.table import Table
+from kvdir.directory.table import Match, Table
 from kvdir.v1 import directory_pb2 as pb
 
 MAX_STALENESS_S_DEFAULT = 1.0
@@ -336,7 +336,7 @@ class Mirror(ChainLookups):
         self._check(ns)
         resp = pb.LookupResponse()
         with self.lock:
-            matches = self.table.lookup(ns, chain, max_nodes, req.exclude_node)
+            matches = self.matches(ns, chain, max_nodes, req.exclude_node)
             answer.fill(resp.matches, self.table, matches, req.omit_records)
             self._fill_read(resp.read)  # the index this answer reflects
         return resp
@@ -350,7 +350,7 @@ class Mirror(ChainLookups):
         resp = pb.LookupBatchResponse()
         with self.lock:
             for lk, (ns, chain, max_nodes) in zip(lookups, parsed, strict=True):
-                matches = self.table.lookup(ns, chain, max_nodes, lk.exclude_node)
+                matches = self.matches(ns, chain, max_nodes, lk.exclude_node)
                 answer.fill(resp.results.add().matches, self.table, matches, lk.omit_records)
             self._fill_read(resp.read)
         return resp
@@ -365,7 +365,7 @@ class Mirror(ChainLookups):
         with self.lock:
             return [
                 (m.node.node_id, m.prefix_blocks, m.node.host, frozenset(m.node.transports))
-                for m in self.table.lookup(ns_key, chain, max_nodes)
+                for m in self.matches(ns_key, chain, max_nodes)
             ]
 
     def prefix_lengths(self, ns_key: str, chain: Chain, max_nodes: int) -> list[tuple[str, int]]:
@@ -373,7 +373,23 @@ class Mirror(ChainLookups):
         the lightest read, for routers that weigh holders by prefix length only."""
         self._check(ns_key)
         with self.lock:
+            if self._moving(chain):
+                return []
             return self.table.prefix_lengths(ns_key, chain, max_nodes)
+
+    def matches(
+        self, ns_key: str, chain: Chain, max_nodes: int, exclude_node: str = ""
+    ) -> list[Match]:
+        """The table's matches for `chain`, under `lock`: none when a block of it is in
+        a shard this group's log has fenced (moving away, maybe partly dropped, or
+        still importing), as a replica refuses that lookup (`shard_moving`)."""
+        if self._moving(chain):
+            return []
+        return self.table.lookup(ns_key, chain, max_nodes, exclude_node)
+
+    def _moving(self, chain: Chain) -> bool:
+        fence = self.table.fence
+        return bool(fence) and fence.lookup_refusal(chain.items()) is not None
 
     def digest(self) -> tuple[int, bytes]:
         """(applied index, the table's digest at it): an unfiltered mirror's equals

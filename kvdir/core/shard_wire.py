@@ -35,6 +35,9 @@ REASON_BAD_SHARD_MAP = "bad_shard_map"
 """`kvdir-reason` of a SetShardMap whose map breaks the map's invariants."""
 REASON_NO_SHARD_MAP = "no_shard_map"
 """`kvdir-reason` of UNAVAILABLE from a sharded replica that has no map yet."""
+REASON_SHARD_MOVING = "shard_moving"
+"""`kvdir-reason` of a lookup naming a hash in a shard its group's log has fenced
+(moving away, or still importing): for this call, that group's blocks are absent."""
 
 _STATE_TO_PB = {SERVING: pb.SHARD_STATE_SERVING, MOVING: pb.SHARD_STATE_MOVING}
 _STATE_FROM_PB: dict[int, ShardState] = {
@@ -89,6 +92,7 @@ __all__ = [
     "REASON_BAD_SHARD_MAP",
     "REASON_NOT_HOME",
     "REASON_NO_SHARD_MAP",
+    "REASON_SHARD_MOVING",
     "REASON_STALE_VERSION",
     "REASON_WRONG_SHARD",
     "SHARD_MAP_VERSION_KEY",

@@ -19,7 +19,10 @@ outcomes as there), and sends every request where the map says:
   subsequence, and the answers are merged (`shard_merge`). A group that cannot
   answer counts as holding nothing: prefixes end at its first block; never an
   error. Such a group is skipped for `GROUP_DOWN_S` (one probe per interval),
-  so a dead group costs lookups nothing but a miss.
+  so a dead group costs lookups nothing but a miss. A group that refuses as
+  `shard_moving` (its log has fenced a shard of the chain: moving away, maybe
+  partly dropped, or still importing) counts as holding nothing for that call
+  only; it is not skipped afterwards.
 
 Errors are `kvdir.core.client`'s tree; of several failed parts the caller sees
 the most telling: unknown outcome, then a refusal with a reason (an agent
@@ -607,6 +610,12 @@ class ShardedDirectoryClient(DirectoryRequests):
             if isinstance(r, DirectoryError) and r.code == grpc.StatusCode.INVALID_ARGUMENT:
                 self._up(g)
                 raise r  # a bad request is the caller's, whichever group saw it
+            if isinstance(r, DirectoryError) and r.reason == shard_wire.REASON_SHARD_MOVING:
+                # A shard of this group is being moved: its blocks are absent for this
+                # call (a miss); the group is up, and the map changes when the move ends.
+                self._up(g)
+                self._note_version(shard_wire.version_of(r.metadata.items()))
+                continue
             if isinstance(r, DirectoryError):
                 with self._lock:  # unavailable: its blocks count as absent
                     self._down_until[g] = self._clock() + GROUP_DOWN_S

@@ -208,7 +208,7 @@ class ShardedMirror(ChainLookups):
             )
             m = self.mirrors[g]
             with m.lock:  # records read under the lock that keeps their slots
-                found = m.table.lookup(ns, part, max_nodes, req.exclude_node)
+                found = m.matches(ns, part, max_nodes, req.exclude_node)
                 if g == lead:
                     nodes = {x.node.node_id: x.node for x in found}
                     resp.read.CopyFrom(m.read_info())

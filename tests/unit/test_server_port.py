@@ -15,11 +15,16 @@ import grpc
 import pytest
 
 from kvdir.core.client import lookup_request, namespace
+from kvdir.core.mirror import Mirror
+from kvdir.core.wire import namespace_key
+from kvdir.directory.commands import BeginImport, Done, FreezeShard, Publish, RegisterNode, Tier
 from kvdir.directory.config import DirectoryConfig, Peer
 from kvdir.directory.consensus.memory import MemoryCluster
 from kvdir.directory.consensus.port import Consensus, Outcome
+from kvdir.directory.lookup import Chain
 from kvdir.directory.metrics import DirectoryMetrics
 from kvdir.directory.server import DirectoryService, LeaseSweeper
+from kvdir.directory.shard_fence import key_of
 from kvdir.v1 import directory_pb2 as pb
 
 RAFT = ["127.0.0.1:7001", "127.0.0.1:7002"]
@@ -101,8 +106,12 @@ def register(svc: DirectoryService, node: str = "n1", incarnation: int = 1) -> A
 
 
 def publish(svc: DirectoryService, hashes: list[bytes], node: str = "n1") -> Any:
+    return call(svc.Publish, publish_request(hashes, node))
+
+
+def publish_request(hashes: list[bytes], node: str = "n1") -> pb.PublishRequest:
     n = len(hashes)
-    req = pb.PublishRequest(
+    return pb.PublishRequest(
         node_id=node,
         incarnation=1,
         namespace=SPACE,
@@ -113,7 +122,6 @@ def publish(svc: DirectoryService, hashes: list[bytes], node: str = "n1") -> Any
         rkeys=[7] * n,
         generations=[1] * n,
     )
-    return call(svc.Publish, req)
 
 
 def chain(n: int) -> list[bytes]:
@@ -136,8 +144,13 @@ def test_publish_then_lookup_on_leader_and_follower(cluster: MemoryCluster, cloc
     assert resp.applied_index == 2 == cluster[RAFT[1]].status().applied_index
     assert holders(leader, chain(6)) == [("n1", 4)]
     assert holders(follower, chain(6), linearizable=True) == [("n1", 4)]
-    # A write through the follower goes to the one log too.
-    assert publish(follower, [*chain(2), b"\xff" * 8]).applied == 3
+    # A follower takes no write: not applied, and the hint names the leader (a write it
+    # forwarded could reach the log after the client's retry and its next write).
+    ctx = FakeContext()
+    e = aborted(follower.Publish, publish_request([*chain(2), b"\xff" * 8]), ctx)
+    assert e.code is grpc.StatusCode.UNAVAILABLE and "not the leader" in e.details
+    assert ctx.trailing == {"kvdir-outcome": "not-applied", "kvdir-leader": "127.0.0.1:7101"}
+    assert publish(leader, [*chain(2), b"\xff" * 8]).applied == 3
     status = call(follower.ClusterStatus, pb.ClusterStatusRequest(with_digest=True))
     assert (status.role, status.leader_grpc_address) == (pb.ROLE_FOLLOWER, "127.0.0.1:7101")
     assert status.applied_index == status.commit_index == 4  # 3 writes and 1 barrier
@@ -182,11 +195,16 @@ def test_no_leader_is_unavailable_with_not_applied(cluster: MemoryCluster, clock
     lookup.linearizable = True
     assert aborted(svc.Lookup, lookup).code is grpc.StatusCode.UNAVAILABLE
     cluster.elect(RAFT[1])  # the other replica leads: hints name its gRPC address
-    cluster.fail_next(Outcome.NOT_APPLIED, "the replica forwarded to is no longer leader")
     ctx = FakeContext()
     e = aborted(svc.Heartbeat, pb.HeartbeatRequest(node_id="n1", incarnation=1), ctx)
-    assert e.code is grpc.StatusCode.UNAVAILABLE and "no longer leader" in e.details
+    assert e.code is grpc.StatusCode.UNAVAILABLE and "not the leader" in e.details
     assert ctx.trailing == {"kvdir-outcome": "not-applied", "kvdir-leader": "127.0.0.1:7102"}
+    cluster.elect(RAFT[0])  # leading, and Raft says the write was not applied
+    cluster.fail_next(Outcome.NOT_APPLIED, "the leader lost its term before appending")
+    ctx = FakeContext()
+    e = aborted(svc.Heartbeat, pb.HeartbeatRequest(node_id="n1", incarnation=1), ctx)
+    assert e.code is grpc.StatusCode.UNAVAILABLE and "lost its term" in e.details
+    assert ctx.trailing == {"kvdir-outcome": "not-applied", "kvdir-leader": "127.0.0.1:7101"}
 
 
 @pytest.mark.parametrize(
@@ -228,7 +246,11 @@ def test_a_held_replica_times_out_and_refuses_local_reads(
     cluster.hold(RAFT[1])
     register(service(cluster, clock, 0))
     e = aborted(follower.Heartbeat, pb.HeartbeatRequest(node_id="n1", incarnation=1))
-    assert e.code is grpc.StatusCode.ABORTED  # no outcome within the wait
+    assert e.code is grpc.StatusCode.UNAVAILABLE  # only the leader takes a write
+    lookup = lookup_request(SPACE, chain(1))
+    lookup.linearizable = True
+    e = aborted(follower.Lookup, lookup)
+    assert e.code is grpc.StatusCode.UNAVAILABLE and "barrier" in e.details  # no outcome in time
     cluster.release(RAFT[1])
     assert follower.observe_catch_up()
     assert holders(follower, chain(1)) == []
@@ -261,3 +283,46 @@ def test_the_port_stays_narrow() -> None:
         "status",
         "transfer_leadership",
     ]
+
+
+def test_a_lookup_of_a_shard_the_log_has_fenced_is_refused(
+    cluster: MemoryCluster, clock: Clock
+) -> None:
+    """Frozen (moving away, maybe partly dropped) or still importing: the table's own
+    fence decides, after the barrier, whatever map the replica routes by (found by
+    the simulator of groups, seed 27). Other keys are answered as before."""
+    leader, follower = service(cluster, clock, 0), service(cluster, clock, 1)
+    register(leader)
+    publish(leader, chain(4))
+    key = key_of(chain(4)[2])
+    res = cluster[RAFT[0]].write(FreezeShard(9, key, key + 1), 1.0)
+    assert res.outcome is Outcome.COMMITTED and res.result == Done()
+    for svc in (leader, follower):
+        for linearizable in (False, True):
+            req = lookup_request(SPACE, chain(4))
+            req.linearizable = linearizable
+            ctx = FakeContext()
+            e = aborted(svc.Lookup, req, ctx)
+            assert e.code is grpc.StatusCode.FAILED_PRECONDITION
+            assert "shard 9 is moving away" in e.details
+            assert ctx.trailing["kvdir-reason"] == "shard_moving"
+            batch = pb.LookupBatchRequest(lookups=[lookup_request(SPACE, chain(2)), req])
+            assert aborted(svc.LookupBatch, batch).code is grpc.StatusCode.FAILED_PRECONDITION
+            assert holders(svc, chain(2), linearizable) == [("n1", 2)]  # outside the fence
+
+
+def test_a_mirror_answers_no_lookup_of_a_fenced_shard() -> None:
+    m = Mirror()
+    ns = namespace_key(SPACE)
+    for cmd in (
+        RegisterNode("n1", "h", "h:9", ("tcp",), 1, LEASE_MS, 0),
+        Publish("n1", 1, ns, int(Tier.GPU), chain(4), [1, 2, 3, 4], [8] * 4, [7] * 4, [1] * 4),
+    ):
+        m.table.apply(cmd)
+    with m.lock:
+        assert [x.prefix_blocks for x in m.matches(ns, Chain.of(chain(4)), 8)] == [4]
+    key = key_of(chain(4)[1])
+    m.table.apply(BeginImport(3, key, key + 1))
+    with m.lock:
+        assert m.matches(ns, Chain.of(chain(4)), 8) == []
+        assert [x.prefix_blocks for x in m.matches(ns, Chain.of(chain(1)), 8)] == [1]
