@@ -46,7 +46,7 @@ test-deps:
 	scripts/install-test-deps.sh
 
 unit: $(STAMP)
-	$(VENV)/bin/pytest -q tests/unit tests/sim
+	scripts/run-gate-tests.sh $(VENV)/bin/pytest
 
 integration: $(STAMP)
 	$(VENV)/bin/pytest -q tests/integration
