@@ -10,10 +10,12 @@ command (docs/sharding.md, "Re-sharding online"), every step bounded by one dead
 5. g0's map: SHARD owned by GROUP.
 6. The source drops the shard, a 256th of its table per command.
 
-A step whose outcome was unknown (a leader change) is retried; if the retry is
-refused because the first try did apply, the move goes on. Any other failure
-stops the move where it is and says which step failed (resuming or undoing a
-half-done move is not automated yet; docs/sharding.md).
+A step whose outcome was unknown (a leader change, a replica killed mid-call) is
+retried; if the retry is refused because the first try did apply, the move goes
+on. A source Watch that breaks is opened again on the next source replica from
+the last index imported (`import_until_frozen`). Any other failure stops the move
+where it is and says which step failed (resuming or undoing a move whose
+orchestrator stopped is not automated yet; docs/sharding.md).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import io
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import grpc
@@ -30,6 +33,7 @@ from kvdir.core.security import ClientSecurity
 from kvdir.core.shard_map import ShardMap, ShardMapError
 from kvdir.directory import codec, snapshot
 from kvdir.directory.block_index import SHARDS
+from kvdir.directory.commands import ClearNode, Publish
 from kvdir.directory.shard_admin import IMPORT_COMMANDS_MAX
 from kvdir.directory.shard_fence import Range
 from kvdir.directory.shard_import import Importable, snapshot_publishes, within
@@ -40,6 +44,8 @@ from kvdir.v1 import directory_pb2_grpc as pb_grpc
 T = TypeVar("T")
 SNAPSHOT_BYTES_MAX = 8 << 30
 RETRY_PAUSE_S = 0.2
+_WATCH_OPENS_MAX = 64
+"""Watch streams one move may open on the source (a pause after each round of replicas)."""
 
 
 class Mover:
@@ -141,15 +147,32 @@ class Mover:
     def import_until_frozen(
         self, source: tuple[str, ...], target: tuple[str, ...], shard: Range
     ) -> None:
-        """Steps 3 and 4: the source's Watch into the target, the freeze in between."""
-        with self.security.channel(source[0]) as ch:
-            stream: Iterable[pb.WatchEvent] = pb_grpc.PrefixDirectoryStub(ch).Watch(
-                pb.WatchRequest(from_index=0), timeout=self.left()
-            )
+        """Steps 3 and 4: the source's Watch into the target, the freeze in between.
+
+        A Watch that breaks (its replica killed, restarted, or cut off) is opened
+        again on the next source replica from the last index imported: the move
+        goes on through a source leader's death. When that replica's history no
+        longer reaches back there and the stream starts with a snapshot, the
+        target's partial copy is cleared first (an imported ClearNode of every node
+        imported so far, which the target applies to the shard's keys only)."""
+        state = _Import()
+        for attempt in range(_WATCH_OPENS_MAX):
+            addr = source[attempt % len(source)]
+            if attempt and attempt % len(source) == 0:
+                time.sleep(min(RETRY_PAUSE_S, max(0.0, self.left() - RETRY_PAUSE_S)))
             try:
-                self._follow(stream, source, target, shard)
+                with self.security.channel(addr) as ch:
+                    stream: Iterable[pb.WatchEvent] = pb_grpc.PrefixDirectoryStub(ch).Watch(
+                        pb.WatchRequest(from_index=state.last), timeout=self.left()
+                    )
+                    if self._follow(stream, source, target, shard, state):
+                        return
+                    why = "it ended"
             except grpc.RpcError as e:
-                raise OpsError(f"the source's Watch ({source[0]}): {e.details()}") from e
+                why = e.details() or e.code().name
+            self.left()  # out of time: stop here, said so
+            self.say(f"the source's Watch on {addr} broke ({why}); again from index {state.last}")
+        raise OpsError(f"the source's Watch broke {_WATCH_OPENS_MAX} times; the move stopped")
 
     def _follow(
         self,
@@ -157,9 +180,10 @@ class Mover:
         source: tuple[str, ...],
         target: tuple[str, ...],
         shard: Range,
-    ) -> None:
+        state: _Import,
+    ) -> bool:
+        """Import what `stream` brings; True once it has passed the freeze."""
         chunks: list[bytes] = []
-        frozen_at: int | None = None
         for ev in stream:
             kind = ev.WhichOneof("event")
             if kind == "snapshot":
@@ -170,18 +194,49 @@ class Mover:
                     continue
                 table, _, _ = snapshot.load(io.BytesIO(b"".join(chunks)), "the source's snapshot")
                 chunks = []
-                pubs: list[Importable] = list(snapshot_publishes(table, shard))
-                self.send(target, shard, pubs)
+                cmds: list[Importable] = state.clears()  # an older partial copy goes first
+                cmds += snapshot_publishes(table, shard)
+                self.send(target, shard, state.seen(cmds))
+                state.last = ev.snapshot.index
                 self.say(f"imported the source's snapshot at index {ev.snapshot.index}")
-            elif kind == "entries":
-                cut = [within(codec.decode(b), shard) for b in ev.entries.commands]
-                self.send(target, shard, [c for c in cut if c is not None])
-            if frozen_at is None and kind != "snapshot":
-                frozen_at = self.step(source, pb.MOVE_STEP_FREEZE, shard).applied_index
-                self.say(f"source frozen at index {frozen_at}")
-            if frozen_at is not None and ev.applied_index >= frozen_at:
-                return
-        raise OpsError("the source's Watch ended before the freeze")
+                continue
+            if kind == "entries":
+                new = zip(ev.entries.indexes, ev.entries.commands, strict=True)
+                cut = [within(codec.decode(b), shard) for i, b in new if i > state.last]
+                self.send(target, shard, state.seen([c for c in cut if c is not None]))
+            state.last = max(state.last, ev.applied_index)
+            if state.frozen_at is None:
+                state.frozen_at = self.step(source, pb.MOVE_STEP_FREEZE, shard).applied_index
+                self.say(f"source frozen at index {state.frozen_at}")
+            if state.last >= state.frozen_at:
+                return True
+        return False
+
+
+@dataclass
+class _Import:
+    """Where an import stands, across the Watch streams it reads."""
+
+    last: int = 0
+    """The source's last index whose commands the target has (0: none yet)."""
+    frozen_at: int | None = None
+    nodes: dict[str, int] = field(default_factory=dict)
+    """Node id -> incarnation of every write imported (what a partial copy may hold)."""
+    copied: bool = False
+
+    def seen(self, cmds: list[Importable]) -> list[Importable]:
+        self.copied = True
+        for c in cmds:
+            if isinstance(c, Publish):
+                self.nodes[c.node_id] = c.incarnation
+        return cmds
+
+    def clears(self) -> list[Importable]:
+        """A snapshot after a partial copy: every imported node's entries of the shard
+        cleared first (the snapshot holds what is left of them)."""
+        if not self.copied:
+            return []
+        return [ClearNode(n, inc, None, False) for n, inc in sorted(self.nodes.items())]
 
 
 def move(

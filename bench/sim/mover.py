@@ -35,8 +35,9 @@ can finish (the product stops a move whose Watch breaks; docs/sharding.md,
   partial copy is cleared first (an imported ClearNode of every agent, which
   the target applies to the shard's keys only), then the snapshot imported.
 - A call whose replica dies before it answers counts as an unknown outcome
-  (it may still commit). Over gRPC the orchestrator sees UNAVAILABLE there and
-  retries as if nothing applied (the report of this simulator says more).
+  (it may still commit), as shard_move.py now counts an UNAVAILABLE that the
+  replica did not mark not-applied (`_maybe_applied`; it had retried as if
+  nothing applied, and the move stopped when the retry was refused).
 """
 
 from __future__ import annotations

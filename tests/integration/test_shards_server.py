@@ -26,7 +26,9 @@ from typing import TypeVar
 import grpc
 import pytest
 
+from kvdir import shard_move
 from kvdir.core import shard_wire
+from kvdir.core.security import PLAIN
 from kvdir.core.shard_map import Shard, ShardMap, shard_key
 from kvdir.directory import codec
 from kvdir.directory.commands import Barrier
@@ -376,7 +378,7 @@ def test_a_move_under_publishes_loses_no_acknowledged_write(sharded: ShardedClus
     dropped = int(re.search(r"source dropped (\d+) entries", out).group(1))  # type: ignore[union-attr]
     assert dropped >= len(batches[0]), out
     for batch in acked:  # every acknowledged write is in its new group
-        lk = pb.LookupRequest(namespace=SPACE, block_hashes=batch)
+        lk = pb.LookupRequest(namespace=SPACE, block_hashes=batch, linearizable=True)
         got = on_group(g1, lambda stub, lk=lk: stub.Lookup(lk, timeout=10))  # type: ignore[misc]
         assert [(x.node_id, x.prefix_blocks) for x in got.matches] == [("mover", len(batch))]
     sharded.wait_map_version(after.version, 30)
@@ -386,6 +388,46 @@ def test_a_move_under_publishes_loses_no_acknowledged_write(sharded: ShardedClus
     # The old owner dropped the shard and keeps it fenced against pre-move maps.
     e = refused(lambda: on_group(g0, lambda stub: stub.Publish(publish_req("mover", in_s[:1]))))
     assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_a_move_goes_on_when_the_source_replica_it_follows_dies(sharded: ShardedCluster) -> None:
+    """The orchestrator follows the source's Watch on its first replica; killed once the
+    snapshot is imported, the Watch is opened again on the next replica from the last
+    index imported, and the move finishes with every acknowledged write."""
+    g0, g1 = sharded.clusters["g0"], sharded.clusters["g1"]
+    m = current_map(sharded)
+    s = next(x for x in m.shards if x.group_id == "g1")
+    for group in (g0, g1):
+        register(group, "survivor")
+    in_s = [h for h in owned(m, "g1", 3000, 23) if s.lo <= shard_key(h) < s.hi]
+    batches = [in_s[i : i + 20] for i in range(0, len(in_s), 20)]
+    for batch in batches[:-1]:
+        publish_routed(sharded, publish_req("survivor", batch))
+    watched = next(r for r in g1.replicas if r.grpc_address == m.group("g1").replicas[0])
+    said: list[str] = []
+    killed: list[str] = []
+
+    def say(line: str) -> None:
+        said.append(line)
+        if line.startswith("imported the source's snapshot") and not killed:
+            killed.append(watched.replica_id)
+            g1.kill(watched, signal.SIGKILL)
+
+    try:
+        home = tuple(g0.grpc_addresses)
+        fetch = lambda: current_map(sharded)  # noqa: E731
+        done = shard_move.move(home, PLAIN, fetch, s.shard_id, "g0", 120, say)
+    finally:
+        if not watched.alive:
+            g1.launch(watched)
+    assert killed and any("Watch on" in line and "broke" in line for line in said), said
+    assert done.shard_of(in_s[0]).group_id == "g0" and current_map(sharded) == done
+    publish_routed(sharded, publish_req("survivor", batches[-1]))
+    for batch in batches:  # every acknowledged write is in its new group
+        lk = pb.LookupRequest(namespace=SPACE, block_hashes=batch, linearizable=True)
+        got = on_group(g0, lambda stub, lk=lk: stub.Lookup(lk, timeout=10))  # type: ignore[misc]
+        assert [(x.node_id, x.prefix_blocks) for x in got.matches] == [("survivor", len(batch))]
+    g1.wait_leader(60)
 
 
 def test_a_caller_with_a_newer_map_makes_a_replica_refresh_at_once(
@@ -411,7 +453,7 @@ def restart_home(sharded: ShardedCluster) -> None:
     hashes = owned(m, "g1", 3, 11)
     register(g1, "home-down-node")
     on_group(g1, lambda s: s.Publish(publish_req("home-down-node", hashes), timeout=10))
-    lookup = pb.LookupRequest(namespace=SPACE, block_hashes=hashes)
+    lookup = pb.LookupRequest(namespace=SPACE, block_hashes=hashes, linearizable=True)
     got = on_group(g1, lambda s: s.Lookup(lookup, timeout=10))
     assert [(x.node_id, x.prefix_blocks) for x in got.matches] == [("home-down-node", 3)]
     for r in g0.replicas:
@@ -466,7 +508,7 @@ def test_ctl_lookup_and_nodes_with_sharded_merge_every_group(sharded: ShardedClu
     space = ["--model", SPACE.model, "--block-tokens", str(SPACE.block_tokens)]
     space += ["--dtype", SPACE.dtype, "--layout", SPACE.layout]
     hashes = ["--hashes", ",".join(h.hex() for h in chain)]
-    out = ctl("lookup", "--sharded", "--addr", home, *space, *hashes, "--json")
+    out = ctl("lookup", "--sharded", "--linearizable", "--addr", home, *space, *hashes, "--json")
     assert out.returncode == 0, out.stderr
     matches = json.loads(out.stdout)["matches"]
     assert [(x["node_id"], x["prefix_blocks"]) for x in matches] == [("ctl-node", len(chain))]
