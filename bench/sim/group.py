@@ -139,18 +139,10 @@ class SimGroup:
         self.note(f"{addr} started (run {seat.incarnation})")
 
     def crash(self, addr: str, power: bool) -> None:
-        lost = rp.crash(self.seats[addr], self.net, power, self.rng)
-        what = f"power loss (lost {', '.join(lost) or 'no file'})" if power else "crash"
-        self.note(f"{addr} {what}")
+        self.note(rp.crash_note(self.seats[addr], self.net, power, self.rng))
 
     def leader(self) -> str | None:
-        best: tuple[int, str] | None = None
-        for addr, seat in sorted(self.seats.items()):
-            r = seat.replica
-            if r is not None and r.role() == 2:
-                cand = (int(r.raftCurrentTerm), addr)
-                best = cand if best is None or cand > best else best
-        return None if best is None else best[1]
+        return rp.leader_of(self.seats)
 
     def running(self) -> list[str]:
         return [a for a in sorted(self.seats) if self.seats[a].up]

@@ -25,7 +25,6 @@ replay.
 
 from __future__ import annotations
 
-import logging
 import random
 import shutil
 import tempfile
@@ -39,7 +38,7 @@ from bench.sim.knobs import Result
 from bench.sim.mover import Mover, Plan, Sabotage
 from bench.sim.net import NetFaults
 from bench.sim.shard_clients import ShardClients, choose_keys
-from bench.sim.simulation import DIGEST_EVERY_STEPS, TICK_S, LogCounter, tmp_root
+from bench.sim.simulation import DIGEST_EVERY_STEPS, TICK_S, logs_counted, tmp_root
 from kvdir.core.shard_map import Group
 
 HEAL_STEPS_MAX = 4000
@@ -109,19 +108,13 @@ class GroupsSimulation:
 
     def run(self) -> Result:
         t0 = time.process_time()
-        root_log = logging.getLogger()
-        saved = (root_log.level, root_log.handlers)
-        root_log.handlers = [LogCounter(self.logged)]
-        root_log.setLevel(logging.WARNING)
         try:
-            with self.clock.installed(self.seed):
+            with logs_counted(self.logged), self.clock.installed(self.seed):
                 self._run()
         finally:
-            root_log.setLevel(saved[0])
-            root_log.handlers = saved[1]
             for g in self.groups.values():
                 for seat in g.seats.values():
-                    _close(seat)
+                    rp.close(seat)
             shutil.rmtree(self._tmp, ignore_errors=True)
         self.result.seconds = time.process_time() - t0
         return self.result
@@ -217,13 +210,6 @@ class GroupsSimulation:
 
 def _fault(g: SimGroup) -> None:
     faults.maybe_fault(g, g.members)
-
-
-def _close(seat: rp.SimReplica) -> None:
-    try:
-        rp.stop_clean(seat)
-    except Exception:  # a replica broken by the run must not hide the run's result
-        seat.replica = None
 
 
 def run_groups(seed: int, steps: int, groups: int = 2) -> Result:

@@ -223,4 +223,40 @@ def stop_clean(seat: SimReplica) -> None:
         seat.jobs.clear()
 
 
-__all__ = ["CLUSTER_ID", "SimClock", "SimReplica", "crash", "start", "stop_clean"]
+def crash_note(seat: SimReplica, network: Network, power: bool, rng: random.Random) -> str:
+    """`crash`, and the trace line that says what it did."""
+    lost = crash(seat, network, power, rng)
+    what = f"power loss (lost {', '.join(lost) or 'no file'})" if power else "crash"
+    return f"{seat.address} {what}"
+
+
+def leader_of(seats: dict[str, SimReplica]) -> str | None:
+    """The running replica that leads the highest term (the newest leader), if any."""
+    best: tuple[int, str] | None = None
+    for addr, seat in sorted(seats.items()):
+        r = seat.replica
+        if r is not None and r.role() == 2:
+            cand = (int(r.raftCurrentTerm), addr)
+            best = cand if best is None or cand > best else best
+    return None if best is None else best[1]
+
+
+def close(seat: SimReplica) -> None:
+    """Stop a replica cleanly at the end of a run, whatever state the run left it in."""
+    try:
+        stop_clean(seat)
+    except Exception:  # a replica broken by the run must not hide the run's result
+        seat.replica = None
+
+
+__all__ = [
+    "CLUSTER_ID",
+    "SimClock",
+    "SimReplica",
+    "close",
+    "crash",
+    "crash_note",
+    "leader_of",
+    "start",
+    "stop_clean",
+]

@@ -33,13 +33,12 @@ from dataclasses import dataclass, field
 from bench.chaos.history import Op
 from bench.chaos.workload import block_hash, key_name, owner_node, record_of
 from bench.sim.group import SimGroup
-from bench.sim.workload import NAMESPACE, OP_TIMEOUT_S
+from bench.sim.workload import NAMESPACE, OP_TIMEOUT_S, register_command
 from kvdir.core.shard_map import ShardMap
 from kvdir.directory.commands import (
     Barrier,
     Command,
     Publish,
-    RegisterNode,
     Reject,
     Rejected,
     Remove,
@@ -53,7 +52,6 @@ OWNERS = 3
 KEYS_PER_SHARD = 3
 RETRY_STEPS = 5
 """Steps (50 ms) between a refused attempt and the next."""
-LEASE_MS = 600_000
 MAX_NODES = 64
 
 
@@ -163,7 +161,7 @@ class ShardClients:
                 addr = hint if hint in up else self.rng.choice(up)
                 self.registering[(owner, gid)] = now + OP_TIMEOUT_S
                 done = self._registered(owner, gid, addr)
-                self.groups[gid].propose(addr, _register(owner, now), done)
+                self.groups[gid].propose(addr, register_command(owner, now), done)
                 return f"register {owner_node(owner)} at {gid} {addr}"
         ready = {o for o in range(OWNERS) if all((o, g) in self.registered for g in self.groups)}
         idle = [key for key in self.keys if key.name not in self.busy and key.owner in ready]
@@ -327,18 +325,6 @@ def _count(value: object) -> int | None:
         if n is not None:
             return int(n)
     return None
-
-
-def _register(owner: int, now: float) -> RegisterNode:
-    return RegisterNode(
-        node_id=owner_node(owner),
-        host=f"host-{owner}",
-        endpoint=f"10.77.1.{owner % 250}:9000",
-        transports=("tcp",),
-        incarnation=1,
-        lease_ms=LEASE_MS,
-        now_ms=int(now * 1000),
-    )
 
 
 def _publish(key: Key, gen: int) -> Publish:

@@ -18,6 +18,7 @@ identical on every replay.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -25,6 +26,7 @@ import random
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 
 from bench.sim import ending, faults
 from bench.sim import replicas as rp
@@ -133,18 +135,12 @@ class Simulation:
     def run(self) -> Result:
         t0 = time.process_time()
         self._tmp = tempfile.mkdtemp(prefix="kvdir-sim-", dir=tmp_root())
-        root_log = logging.getLogger()
-        saved = (root_log.level, root_log.handlers)
-        root_log.handlers = [LogCounter(self.logged)]  # count, do not print, the replicas' lines
-        root_log.setLevel(logging.WARNING)
         try:
-            with self.clock.installed(self.seed):
+            with logs_counted(self.logged), self.clock.installed(self.seed):
                 self._run()
         finally:
-            root_log.setLevel(saved[0])
-            root_log.handlers = saved[1]
             for seat in self.seats.values():
-                _close(seat)
+                rp.close(seat)
             shutil.rmtree(self._tmp, ignore_errors=True)
         self.result.seconds = time.process_time() - t0
         return self.result
@@ -249,18 +245,10 @@ class Simulation:
         self.note(f"{addr} started (run {seat.incarnation})")
 
     def crash(self, addr: str, power: bool) -> None:
-        lost = rp.crash(self.seats[addr], self.net, power, self.rng)
-        what = f"power loss (lost {', '.join(lost) or 'no file'})" if power else "crash"
-        self.note(f"{addr} {what}")
+        self.note(rp.crash_note(self.seats[addr], self.net, power, self.rng))
 
     def leader(self) -> str | None:
-        best: tuple[int, str] | None = None
-        for addr, seat in sorted(self.seats.items()):
-            r = seat.replica
-            if r is not None and r.role() == 2:
-                cand = (int(r.raftCurrentTerm), addr)
-                best = cand if best is None or cand > best else best
-        return None if best is None else best[1]
+        return rp.leader_of(self.seats)
 
     def _maybe_fault(self) -> None:
         faults.maybe_fault(self, self.members)
@@ -384,15 +372,23 @@ class Simulation:
         }
 
 
+@contextlib.contextmanager
+def logs_counted(logged: dict[str, int]) -> Iterator[None]:
+    """While a run lasts, the replicas' warnings and errors are counted into `logged`,
+    not printed (`LogCounter`)."""
+    root_log = logging.getLogger()
+    saved = (root_log.level, root_log.handlers)
+    root_log.handlers = [LogCounter(logged)]
+    root_log.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        root_log.setLevel(saved[0])
+        root_log.handlers = saved[1]
+
+
 def tmp_root() -> str:
     return SHM if os.path.isdir(SHM) else tempfile.gettempdir()
-
-
-def _close(seat: rp.SimReplica) -> None:
-    try:
-        rp.stop_clean(seat)
-    except Exception:  # a replica broken by the run must not hide the run's result
-        seat.replica = None
 
 
 def run_seed(seed: int, steps: int, replicas: int = 3, retries: bool = True) -> Result:

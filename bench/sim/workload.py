@@ -116,7 +116,7 @@ class Workload:
                 self.registering[owner] = now + OP_TIMEOUT_S
                 if self.retries and self.leader_heard in replicas:
                     addr, seat = self.leader_heard, replicas[self.leader_heard]
-                self._propose(seat, _register(owner, now), self._on_registered(owner, seat))
+                self._propose(seat, register_command(owner, now), self._on_registered(owner, seat))
                 return f"register {owner_node(owner)} at {addr}"
         if bulk and BULK_OWNER in self.registered:
             if self.retries and self.leader_heard in replicas:
@@ -295,7 +295,8 @@ def _leader_named(seat: Any) -> str:
     return "" if leader is None else str(leader.address)
 
 
-def _register(owner: int, now: float) -> RegisterNode:
+def register_command(owner: int, now: float) -> RegisterNode:
+    """The agent `owner`'s registration (incarnation 1, a long lease)."""
     return RegisterNode(
         node_id=owner_node(owner),
         host=f"host-{owner}",
@@ -359,4 +360,4 @@ def _generation(table: Table | None, owner: int, k: int) -> int | None:
     return None
 
 
-__all__ = ["NAMESPACE", "OP_TIMEOUT_S", "Workload"]
+__all__ = ["NAMESPACE", "OP_TIMEOUT_S", "Workload", "register_command"]
