@@ -3,9 +3,9 @@
 Each key (one block of one agent, as in the chaos workload) has one
 sequential writer: its next operation starts only when the last one is
 answered or given up on. An operation goes to any running replica through
-the entry the server uses (`Replica.propose_blob`; a follower forwards it to
-the leader), and its outcome is pysyncobj's callback read through
-`syncobj.result_of`. A linearizable lookup commits a `Barrier` at that
+the entry the server uses (`Replica.propose_blob`: a follower refuses a write,
+and forwards a Barrier to the leader), and its outcome is pysyncobj's
+callback read through `syncobj.result_of`. A linearizable lookup commits a `Barrier` at that
 replica and reads its table in the callback, which pysyncobj runs right
 after the replica applied the barrier (as `RaftConsensus.barrier` + `read`).
 

@@ -248,10 +248,19 @@ def test_malformed_requests_are_invalid_argument_with_a_reason(registered: Local
 def test_state_machine_refusals_are_invalid_argument_with_a_reason(
     registered: LocalCluster,
 ) -> None:
+    leader = registered.wait_leader(10)
     for name, case in CASES.items():
         if case.through_raft:
-            for r in registered.replicas:
-                _assert_refused(r, name, case)
+            _assert_refused(leader, name, case)
+            for r in followers(registered):  # a follower takes no write: it names the leader
+                with raw_stub(r.grpc_address) as stub:
+                    e = rpc_error(_call(stub, case))
+                where = f"{name} on {r.replica_id}"
+                assert e.code() == grpc.StatusCode.UNAVAILABLE, (where, e.code(), e.details())
+                assert trailers(e) == {
+                    "kvdir-outcome": "not-applied",
+                    "kvdir-leader": leader.grpc_address,
+                }, where
 
 
 @pytest.mark.timeout(60)
@@ -316,7 +325,10 @@ def test_short_deadline_on_a_write_is_deadline_exceeded_or_ok(registered: LocalC
                     except grpc.RpcError as e:
                         code = e.code()
                     took = time.monotonic() - t0
-                    assert code in (grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED), (
+                    # A follower takes no write: refused at once, unless the deadline
+                    # passed first.
+                    ok = grpc.StatusCode.OK if r is leader else grpc.StatusCode.UNAVAILABLE
+                    assert code in (ok, grpc.StatusCode.DEADLINE_EXCEEDED), (
                         r.replica_id,
                         deadline_s,
                         code,
