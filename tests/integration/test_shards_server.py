@@ -427,7 +427,7 @@ def test_a_move_goes_on_when_the_source_replica_it_follows_dies(sharded: Sharded
         lk = pb.LookupRequest(namespace=SPACE, block_hashes=batch, linearizable=True)
         got = on_group(g0, lambda stub, lk=lk: stub.Lookup(lk, timeout=10))  # type: ignore[misc]
         assert [(x.node_id, x.prefix_blocks) for x in got.matches] == [("survivor", len(batch))]
-    g1.wait_leader(60)
+    sharded.wait_map_version(done.version, 60)  # the killed replica serves again
 
 
 def test_a_caller_with_a_newer_map_makes_a_replica_refresh_at_once(

@@ -207,7 +207,7 @@ NODE_IDS = st.one_of(
 def test_writes_are_allowed_exactly_for_the_callers_own_ids(
     secure_cluster: LocalCluster, pki: Pki, node_id: str
 ) -> None:
-    addr = secure_cluster.grpc_addresses[0]
+    addr = secure_cluster.wait_leader(10).grpc_address  # a follower takes no write
     req = pb.RegisterNodeRequest(node_id=node_id, host="127.0.0.1", incarnation=1)
     try:
         _stub_call(addr, pki.leaves["node-a"].client(), "RegisterNode", req)
