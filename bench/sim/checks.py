@@ -169,6 +169,26 @@ class MirrorChecks:
         self.applied = max(self.applied, applied)
 
 
+def check_seat(
+    inv: Invariants, addr: str, seat: Any, sample: bool, note: Callable[[str], None]
+) -> None:
+    """One running replica's share of a step's checks (a `replicas.SimReplica` seat):
+    one leader per term, its committed entries, and, when `sample`, its table digest.
+    Says a change of role or term in the trace."""
+    r = seat.replica
+    role, term = r.role(), int(r.raftCurrentTerm)
+    inv.leader(addr, role, term)
+    if (role, term) != seat.seen_role:
+        seat.seen_role = (role, term)
+        name = ("follower", "candidate", "leader")[role]
+        note(f"{addr} {name} in term {term} (commit {int(r.raftCommitIndex)})")
+    seat.checked_commit = inv.commit(addr, r, seat.checked_commit)
+    applied = int(r.raftLastApplied)
+    if sample and applied != seat.seen_applied:
+        seat.seen_applied = applied
+        inv.digest(addr, applied, r.table.digest())
+
+
 def watch_cuts(r: Any, on_cut: Callable[[int], None]) -> None:
     """Route `r`'s journal cuts (`deleteEntriesFrom(position)`) through `on_cut(index)` first."""
     journal = r.kvdir_journal
@@ -183,4 +203,11 @@ def watch_cuts(r: Any, on_cut: Callable[[int], None]) -> None:
     journal.deleteEntriesFrom = delete_from
 
 
-__all__ = ["Invariants", "MirrorChecks", "Violation", "fingerprint", "watch_cuts"]
+__all__ = [
+    "Invariants",
+    "MirrorChecks",
+    "Violation",
+    "check_seat",
+    "fingerprint",
+    "watch_cuts",
+]

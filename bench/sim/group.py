@@ -28,7 +28,7 @@ import random
 from collections.abc import Callable
 
 from bench.sim import replicas as rp
-from bench.sim.checks import Invariants, watch_cuts
+from bench.sim.checks import Invariants, check_seat, watch_cuts
 from bench.sim.disk import Disk
 from bench.sim.knobs import Knobs
 from bench.sim.membership import Membership
@@ -194,21 +194,8 @@ class SimGroup:
         """The single-group invariants (`checks.Invariants`) over this group's replicas."""
         sample = final or self.step % digest_every == 0
         for addr in sorted(self.seats):
-            seat = self.seats[addr]
-            r = seat.replica
-            if r is None:
-                continue
-            role, term = r.role(), int(r.raftCurrentTerm)
-            self.inv.leader(addr, role, term)
-            if (role, term) != seat.seen_role:
-                seat.seen_role = (role, term)
-                name = ("follower", "candidate", "leader")[role]
-                self.note(f"{addr} {name} in term {term} (commit {int(r.raftCommitIndex)})")
-            seat.checked_commit = self.inv.commit(addr, r, seat.checked_commit)
-            applied = int(r.raftLastApplied)
-            if sample and applied != seat.seen_applied:
-                seat.seen_applied = applied
-                self.inv.digest(addr, applied, r.table.digest())
+            if self.seats[addr].replica is not None:
+                check_seat(self.inv, addr, self.seats[addr], sample, self.note)
 
     # ------------------------------------------------------------ requests
 

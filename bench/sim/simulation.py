@@ -30,7 +30,7 @@ from collections.abc import Iterator
 
 from bench.sim import ending, faults
 from bench.sim import replicas as rp
-from bench.sim.checks import Invariants, MirrorChecks, Violation, watch_cuts
+from bench.sim.checks import Invariants, MirrorChecks, Violation, check_seat, watch_cuts
 from bench.sim.disk import Disk
 from bench.sim.knobs import Knobs, Result
 from bench.sim.membership import Membership
@@ -277,21 +277,9 @@ class Simulation:
         sample = final or self.step % DIGEST_EVERY_STEPS == 0
         for addr in sorted(self.seats):
             seat = self.seats[addr]
-            r = seat.replica
-            if r is None:
-                continue
-            role, term = r.role(), int(r.raftCurrentTerm)
-            self.inv.leader(addr, role, term)
-            if (role, term) != seat.seen_role:
-                seat.seen_role = (role, term)
-                name = ("follower", "candidate", "leader")[role]
-                self.note(f"{addr} {name} in term {term} (commit {int(r.raftCommitIndex)})")
-            seat.checked_commit = self.inv.commit(addr, r, seat.checked_commit)
-            self.max_commit = max(self.max_commit, seat.checked_commit)
-            applied = int(r.raftLastApplied)
-            if sample and applied != seat.seen_applied:
-                seat.seen_applied = applied
-                self.inv.digest(addr, applied, r.table.digest())
+            if seat.replica is not None:
+                check_seat(self.inv, addr, seat, sample, self.note)
+                self.max_commit = max(self.max_commit, seat.checked_commit)
         self._check_mirror(sample)
 
     def _check_mirror(self, sample: bool) -> None:
