@@ -247,7 +247,7 @@ class ShardGuard:
         context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
 
     def moving(self, context: grpc.ServicerContext, message: str) -> NoReturn:
-        """A lookup of a shard this group's log has fenced (`server._moving`)."""
+        """A lookup of a shard this group's log has fenced (`ShardFence.lookup_refusal`)."""
         context.set_trailing_metadata(
             (
                 ("kvdir-reason", shard_wire.REASON_SHARD_MOVING),
