@@ -316,6 +316,7 @@ class AgentDaemon:
             engine_service.answer_lookup,
             ENGINE_SOCKET_MODE,
             core.metrics.lookup_socket_refused.inc,
+            engine_service.answer_fetch,
         )
         if lookup_socket.fits(lookups.path):
             try:

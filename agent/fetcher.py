@@ -43,7 +43,6 @@ from kvdir.core.security import PLAIN, ClientSecurity
 from kvdir.core.wire import AGENT_WIRE_VERSION, BadNamespace, namespace_key
 from kvdir.transfer.base import Channel, Read, TransferError, block_reads
 from kvdir.transfer.engine import Descriptor, TransferEngine
-from kvdir.transfer.paged import SegmentBatch
 from kvdir.transfer.shm import host_identity
 from kvdir.v1 import agent_pb2 as apb
 from kvdir.v1 import agent_pb2_grpc as apb_grpc
@@ -466,10 +465,9 @@ def _read_gpu(
     if not src.gpu or not isinstance(channel, CudaIpcChannel):
         raise TransferError(f"{match.node_id}'s records are not GPU regions we can map")
     n = len(src.addresses)
-    batch = SegmentBatch(
-        info.gpu_rkey,
-        np.asarray(src.addresses, np.int64),
-        np.asarray(slots[:n], np.int64) * gpu.slot_bytes,
-        np.asarray(src.lengths, np.int64),
+    # _sources kept only records that are whole slots of the holder's tier.
+    ids = slots_of(
+        info.gpu_address, info.slot_bytes, info.slots, np.asarray(src.addresses, np.uint64)
     )
-    return channel.read_batch(batch, gpu.buffer(), timeout_s)
+    pointer = channel.device_pointer(info.gpu_rkey, gpu.device)
+    return gpu.read_slots(pointer, info.slot_bytes, info.slots, ids, slots[:n], timeout_s)

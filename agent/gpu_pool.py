@@ -41,6 +41,7 @@ import numpy as np
 
 from kvdir.agent.pool import KvPool
 from kvdir.transfer.base import TransferError
+from kvdir.transfer.cuda_blocks import PLANES_MAX, BlockCopier, PlaneSet, slot_planes
 from kvdir.transfer.cuda_ipc import GpuBuffer, cuda_errors, load_cupy, wait_event
 
 log = logging.getLogger("kvdir.agent.gpu")
@@ -73,6 +74,22 @@ def slots_of(base: int, slot_bytes: int, slots: int, addresses: np.ndarray) -> n
     slot = off // sb
     ok = (a >= b) & (off % sb == 0) & (slot < np.uint64(slots))
     return np.where(ok, slot.astype(np.int64), -1)
+
+
+PIECE_BYTES_MAX = 64 << 10
+"""A slot-to-slot copy gives each piece of at most this many bytes one thread block."""
+
+
+def slot_pieces(slot_bytes: int) -> tuple[int, int]:
+    """(pieces, bytes each) for copying a whole slot: the fewest equal pieces of at
+    most PIECE_BYTES_MAX that are whole 16-byte words (the kernel's wide loads), or
+    the slot as one piece when none divides it."""
+    first = -(-slot_bytes // PIECE_BYTES_MAX)
+    for pieces in range(first, min(slot_bytes // 16, PLANES_MAX) + 1):
+        size, rest = divmod(slot_bytes, pieces)
+        if rest == 0 and size % 16 == 0:
+            return pieces, size
+    return 1, slot_bytes
 
 
 @dataclass
@@ -128,8 +145,6 @@ class GpuTier:
     def upload(self, slots: Sequence[int], timeout_s: float) -> None:
         """Host copies of `slots` (fetched over a host path) into the device slots:
         one kernel reading the page-locked pool, or one copy per slot if unpinned."""
-        from kvdir.transfer.cuda_blocks import BlockCopier, PlaneSet
-
         if not slots:
             return
         deadline = time.perf_counter() + timeout_s
@@ -151,6 +166,40 @@ class GpuTier:
             wait_event(done, deadline, "upload of host copies to the GPU tier")
         except cuda_errors(cp) as e:
             raise TransferError(f"upload to the GPU tier failed: {e}") from e
+
+    def read_slots(
+        self,
+        src_pointer: int,
+        src_slot_bytes: int,
+        src_slots: int,
+        src_ids: Sequence[int] | np.ndarray,
+        dst_ids: Sequence[int] | np.ndarray,
+        timeout_s: float,
+    ) -> int:
+        """Whole slots of another tier mapped here (a same-host peer's, through CUDA
+        IPC, at `src_pointer`) into ours: src_ids[i] -> dst_ids[i], one kernel on the
+        legacy default stream (after a timed-out read of the same slots). Each slot
+        moves as pieces of at most 64 KiB, each a thread block, with the slot ids
+        uploaded rather than a segment table: at 512 slots of 2 MiB on the H200 the
+        segment-list read took 2.2 ms, this kernel 0.6 (bench/results/gpu-2026-12-01.md).
+        Returns bytes moved once they landed; TransferError past the deadline."""
+        deadline = time.perf_counter() + timeout_s
+        if src_slot_bytes < self.slot_bytes:
+            raise TransferError(f"peer slots of {src_slot_bytes} B, ours of {self.slot_bytes} B")
+        planes, segment = slot_pieces(self.slot_bytes)
+        src = slot_planes(src_pointer, src_slots, src_slot_bytes, planes, segment)
+        dst = slot_planes(self.address, self.slots, self.slot_bytes, planes, segment)
+        if self._copier is None:
+            self._copier = BlockCopier(self.device)
+        cp = load_cupy()
+        try:
+            done = self._copier.launch(src, src_ids, dst, dst_ids, segment)
+            if done is None:
+                return 0
+            wait_event(done, deadline, "cuda read")
+        except cuda_errors(cp) as e:
+            raise TransferError(f"cuda read failed: {e}") from e
+        return len(dst_ids) * self.slot_bytes
 
     def close(self) -> None:
         cp = load_cupy()

@@ -506,12 +506,18 @@ class EngineService(apb_grpc.EngineServicer):
         return ticket, self.core.fetcher.read_over(cands[0])
 
     def Fetch(self, request: apb.FetchRequest, context: grpc.ServicerContext) -> apb.FetchResponse:
-        state = self.core.pool_of(request.namespace, context, request.epoch)
+        try:
+            return self.answer_fetch(request)
+        except Refusal as e:
+            _abort(context, e.code, str(e))
+
+    def answer_fetch(self, request: apb.FetchRequest) -> apb.FetchResponse:
+        """The Fetch's answer: the gRPC method and the lookup socket's fetch frames
+        (agent/lookup_socket.py) both answer here. Raises Refusal."""
+        state = self.core.pool(request.namespace, request.epoch)
         chain, slots = list(request.block_hashes), list(request.slots)
         if len(chain) > CHAIN_BLOCKS_MAX:
-            _abort(
-                context, grpc.StatusCode.INVALID_ARGUMENT, f"chain over {CHAIN_BLOCKS_MAX} blocks"
-            )
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, f"chain over {CHAIN_BLOCKS_MAX} blocks")
         ticket_holders = None
         if request.ticket:
             try:
@@ -519,7 +525,7 @@ class EngineService(apb_grpc.EngineServicer):
                     request.ticket, ns_key(request.namespace), state.pool.epoch
                 )
             except BadTicket as e:
-                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
             except StaleTicket:
                 self.core.metrics.fetches.labels("miss").inc()
                 return apb.FetchResponse(epoch=state.pool.epoch)
@@ -527,8 +533,7 @@ class EngineService(apb_grpc.EngineServicer):
         owner = owner_of(request.pid) if request.pid else None
         with state.lock:  # the reaper decides under this lock too: one or the other wins
             if owner is not None and not state.pool.held_by(slots, owner):
-                _abort(
-                    context,
+                raise Refusal(
                     grpc.StatusCode.INVALID_ARGUMENT,
                     "fetch into slots this engine does not hold (reserve them with Allocate)",
                 )
@@ -545,7 +550,7 @@ class EngineService(apb_grpc.EngineServicer):
                 ticket_holders=ticket_holders,
             )
         except (FetchError, PoolError) as e:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         finally:
             with state.lock:
                 # One pass in C-level dict calls: Counter.subtract and Counter's own

@@ -36,6 +36,11 @@ import grpc
 from kvdir.agent.pool import STALE_EPOCH, STORED, Geometry, KvPool
 from kvdir.agent.pool_file import fits, read_superblock
 from kvdir.core.wire import (
+    FRAME_FETCH,
+    FRAME_LOOKUP,
+    FRAME_METHOD_SHIFT,
+    FRAME_TOO_LONG,
+    FRAME_UNKNOWN_METHOD,
     LOOKUP_ANSWER_HEADER,
     LOOKUP_REQUEST_HEADER,
     LOOKUP_SOCKET_SUFFIX,
@@ -114,9 +119,10 @@ _CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 class _LookupSocket:
     """Each thread's connection to the agent's lookup socket (agent/lookup_socket.py):
-    a lookup is one frame each way, with no gRPC on either side. `ask` answers None
-    when the agent has no such socket or closed it unanswered (an older agent, or
-    one at its connection bound): the caller then asks over gRPC."""
+    a lookup or a fetch is one frame each way, with no gRPC on either side. `ask`
+    answers None when the agent has no such socket or closed it unanswered (an
+    older agent, or one at its connection bound), and a fetch None when the agent
+    takes no fetch frames: the caller then asks over gRPC."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -124,10 +130,33 @@ class _LookupSocket:
         self._lock = threading.Lock()
         self._open: set[socket.socket] = set()
         self.fallbacks = 0
+        self.fetch_frames = True
+        """False once the agent refused a fetch frame (wire.FRAME_TOO_LONG: an agent from
+        before them; FRAME_UNKNOWN_METHOD): fetches go over gRPC from then on."""
 
     def ask(
         self, req: apb.EngineLookupRequest, timeout_s: float
     ) -> apb.EngineLookupResponse | None:
+        payload = self._frame(FRAME_LOOKUP, "Lookup", req.SerializeToString(), timeout_s)
+        return None if payload is None else apb.EngineLookupResponse.FromString(payload)
+
+    def fetch(self, req: apb.FetchRequest, timeout_s: float) -> apb.FetchResponse | None:
+        if not self.fetch_frames:
+            return None
+        try:
+            payload = self._frame(FRAME_FETCH, "Fetch", req.SerializeToString(), timeout_s)
+        except Refused as e:
+            if not str(e).startswith(
+                (f"Fetch: {FRAME_TOO_LONG}", f"Fetch: {FRAME_UNKNOWN_METHOD}")
+            ):
+                raise
+            # An agent from before fetch frames (it closed this connection: _frame dropped
+            # it), or one that serves none.
+            self.fetch_frames = False
+            return None
+        return None if payload is None else apb.FetchResponse.FromString(payload)
+
+    def _frame(self, method: int, name: str, body: bytes, timeout_s: float) -> bytes | None:
         sock: socket.socket | None = getattr(self._local, "sock", None)
         if sock is None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -141,24 +170,27 @@ class _LookupSocket:
             self._local.sock = sock
             with self._lock:
                 self._open.add(sock)
-        body = req.SerializeToString()
+        header = LOOKUP_REQUEST_HEADER.pack(method << FRAME_METHOD_SHIFT | len(body))
         try:
             sock.settimeout(timeout_s)
-            sock.sendall(LOOKUP_REQUEST_HEADER.pack(len(body)) + body)
+            sock.sendall(header + body)
             code, length = LOOKUP_ANSWER_HEADER.unpack(_read(sock, LOOKUP_ANSWER_HEADER.size))
             payload = _read(sock, length)
         except OSError as e:
             # Timed out or cut: an answer may still come, so this connection's stream
-            # is out of step; the next lookup on this thread opens another.
+            # is out of step; the next call on this thread opens another.
             self._drop(sock)
             if isinstance(e, ConnectionError):
                 self.fallbacks += 1
                 return None  # closed unanswered: the agent at its bound, or going away
-            raise EngineError(f"Lookup: {e or type(e).__name__}") from e
+            raise EngineError(f"{name}: {e or type(e).__name__}") from e
         if code != grpc.StatusCode.OK.value[0]:
+            message = payload.decode(errors="replace")
+            if message.startswith(FRAME_TOO_LONG):
+                self._drop(sock)  # the agent closes the connection after this refusal
             status = _CODES.get(code, grpc.StatusCode.UNKNOWN)
-            raise _error("Lookup", status, payload.decode(errors="replace"))
-        return apb.EngineLookupResponse.FromString(payload)
+            raise _error(name, status, message)
+        return payload
 
     def _drop(self, sock: socket.socket) -> None:
         self._local.sock = None
@@ -429,7 +461,12 @@ class EngineClient:
             ticket=ticket,
         )
         # The agent's own deadline comes first; ours only covers the local hop.
-        resp = self._call("Fetch", req, (timeout_ms / 1000 + 1.0) if timeout_ms else None)
+        timeout_s = (timeout_ms / 1000 + 1.0) if timeout_ms else None
+        resp: object = None
+        if self._lookups is not None:
+            resp = self._lookups.fetch(req, timeout_s or self.timeout_s)
+        if resp is None:
+            resp = self._call("Fetch", req, timeout_s)
         assert isinstance(resp, apb.FetchResponse)
         self._check_epoch("Fetch", pool, resp.epoch)
         return resp

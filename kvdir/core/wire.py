@@ -28,10 +28,24 @@ HASH_BYTES_MAX = 32
 LOOKUP_SOCKET_SUFFIX = ".lookup"
 """The agent's lookup socket is its engine socket's path plus this (agent/lookup_socket.py)."""
 LOOKUP_REQUEST_HEADER = struct.Struct("<I")
-"""A lookup socket request: u32 length, then an EngineLookupRequest."""
+"""A lookup socket request: u32 (method << FRAME_METHOD_SHIFT | length), then the
+method's request: an EngineLookupRequest (FRAME_LOOKUP) or a FetchRequest (FRAME_FETCH)."""
 LOOKUP_ANSWER_HEADER = struct.Struct("<BI")
-"""Its answer: u8 gRPC status code number, u32 length, then an EngineLookupResponse
+"""Its answer: u8 gRPC status code number, u32 length, then the method's response
 (status 0) or the refusal's message in UTF-8."""
+FRAME_METHOD_SHIFT = 28
+"""A request header's top 4 bits name its method; lengths stay below 2**28 (256 MiB,
+over GRPC_MESSAGE_BYTES_MAX). The first agents knew lookups only: they read a fetch
+frame's header as a length over their bound and answer INVALID_ARGUMENT with
+FRAME_TOO_LONG, which tells an engine to fetch over gRPC."""
+FRAME_LENGTH_MASK = (1 << FRAME_METHOD_SHIFT) - 1
+FRAME_LOOKUP = 0
+FRAME_FETCH = 1
+FRAME_TOO_LONG = "frame of "
+"""How an agent's refusal of an over-long frame starts (and the first agents' refusal of
+any fetch frame)."""
+FRAME_UNKNOWN_METHOD = "unknown frame method"
+"""How an agent's refusal of a method it does not serve starts (the connection stays)."""
 
 
 def recv_exactly(sock: socket.socket, n: int) -> bytes | None:

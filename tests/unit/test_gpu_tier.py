@@ -18,7 +18,7 @@ import pytest
 from kvdir.agent import holders
 from kvdir.agent.config import AgentConfig, from_dict
 from kvdir.agent.fetcher import _headers, _sources
-from kvdir.agent.gpu_pool import GpuTier, slot_of
+from kvdir.agent.gpu_pool import PIECE_BYTES_MAX, GpuTier, slot_of, slot_pieces
 from kvdir.agent.pool import KvPool, valid_prefix
 from kvdir.agent.service import PoolState
 from kvdir.core.client import namespace
@@ -109,6 +109,21 @@ def test_slot_of_maps_published_gpu_addresses_back_to_slots() -> None:
     assert slot_of(GPU_BASE, SLOT, SLOTS, GPU_BASE + 5 * SLOT) == 5
     for bad in (GPU_BASE - SLOT, GPU_BASE + 3, GPU_BASE + SLOTS * SLOT):
         assert slot_of(GPU_BASE, SLOT, SLOTS, bad) == -1
+
+
+@pytest.mark.parametrize(
+    "slot_bytes", [2 << 20, 1 << 20, 655_360, 393_216, 65_536, 65_552, 4_112, 100, 48, 16 * 4_099]
+)
+def test_a_slot_copy_is_cut_into_equal_word_pieces_of_at_most_64k(slot_bytes: int) -> None:
+    pieces, size = slot_pieces(slot_bytes)
+    assert pieces * size == slot_bytes
+    if pieces > 1:  # the kernel's 16-byte loads, one thread block a piece
+        assert size % 16 == 0 and size <= PIECE_BYTES_MAX
+    # The fewest such pieces: no smaller count of whole 16-byte pieces fits.
+    for fewer in range(2, pieces):
+        size_f, rest = divmod(slot_bytes, fewer)
+        assert rest or size_f % 16 or size_f > PIECE_BYTES_MAX
+    assert slot_pieces(2 << 20) == (32, 64 << 10)
 
 
 @pytest.fixture
