@@ -41,7 +41,7 @@ from kvdir.agent.pool import HEADER_BYTES, KvPool, valid_prefix
 from kvdir.core.client import DirectoryError
 from kvdir.core.security import PLAIN, ClientSecurity
 from kvdir.core.wire import AGENT_WIRE_VERSION, BadNamespace, namespace_key
-from kvdir.transfer.base import Channel, Read, TransferError, block_reads
+from kvdir.transfer.base import Channel, CopyTimedOut, Read, TransferError, block_reads
 from kvdir.transfer.engine import Descriptor, TransferEngine
 from kvdir.transfer.shm import host_identity
 from kvdir.v1 import agent_pb2 as apb
@@ -83,6 +83,9 @@ class FetchResult:
     """holders.CUDA, holders.HOST, ... (empty when nothing was read)."""
     read_seconds: float = 0.0
     """From the first byte read to validated (the data path, without the lookup)."""
+    slots_retired: bool = False
+    """A device read into the slots timed out and may still land: valid_blocks is 0 and
+    the caller must never use the slots again (FetchResponse.slots_retired)."""
 
 
 @dataclass(slots=True)
@@ -264,6 +267,12 @@ class Fetcher:
                     "fetch from peer failed", extra={"peer": match.node_id, "error": str(e)}
                 )
                 self.peers.fail(match.node_id, match.agent_endpoint)
+                if isinstance(e, CopyTimedOut):
+                    # That kernel may still write these slots after any later read (or
+                    # the caller's own writes) landed: no other holder is tried into
+                    # them, and the caller retires them.
+                    result = FetchResult(slots_retired=True)
+                    break
         result.seconds = time.perf_counter() - t0
         return result
 

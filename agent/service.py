@@ -581,4 +581,5 @@ class EngineService(apb_grpc.EngineServicer):
             read_seconds=r.read_seconds,
             path=r.path,
             epoch=state.pool.epoch,
+            slots_retired=r.slots_retired,
         )

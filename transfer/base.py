@@ -38,6 +38,11 @@ class TransferError(Exception):
     pass
 
 
+class CopyTimedOut(TransferError):
+    """A device copy was given up at its deadline and may still land in its destination:
+    the destination must not be read as valid nor written again (its owner retires it)."""
+
+
 class AccessDenied(TransferError):
     pass
 

@@ -51,6 +51,7 @@ import numpy as np
 from kvdir.transfer.base import (
     AccessDenied,
     Channel,
+    CopyTimedOut,
     PeerUnavailable,
     Read,
     Region,
@@ -330,7 +331,7 @@ def _wait(event: Any, deadline: float, what: str) -> None:
     while not event.done:
         now = time.perf_counter()
         if now > deadline:
-            raise TransferError(f"{what} did not complete in time")
+            raise CopyTimedOut(f"{what} did not complete in time")
         if now > spin_until:
             time.sleep(0)
 
@@ -717,4 +718,4 @@ def bare_copy(cp: Any, device: int, dst: int, src: int, nbytes: int) -> None:
 load_cupy = _cupy
 """CuPy, or CudaUnavailable saying why not (for the GPU modules built on this one)."""
 wait_event = _wait
-"""Until a CUDA event completed, or TransferError at the deadline (spin, then yield)."""
+"""Until a CUDA event completed, or CopyTimedOut at the deadline (spin, then yield)."""

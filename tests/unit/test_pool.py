@@ -37,6 +37,7 @@ from kvdir.agent.pool import (
 )
 from kvdir.core.client import DirectoryClient, namespace
 from kvdir.core.wire import HASH_BYTES_MAX, namespace_key
+from kvdir.transfer.base import CopyTimedOut, TransferError
 from kvdir.transfer.engine import TransferEngine
 from kvdir.transfer.memory import PAGE_BYTES, SharedMemory
 from kvdir.v1 import agent_pb2 as apb
@@ -524,6 +525,27 @@ def test_fetch_copies_every_block_and_validates_it(pair: _Pair) -> None:
     assert r.bytes == 6 * SLOT_BYTES
     assert _landed(pair, dst) == payload
     assert pair.directory.asked == [(chain, "reader")]  # the reader excludes itself
+
+
+@pytest.mark.parametrize("error", [CopyTimedOut, TransferError])
+def test_a_copy_that_may_still_land_retires_the_slots(
+    pair: _Pair, error: type[TransferError]
+) -> None:
+    """A device copy given up at its deadline (CopyTimedOut, raised here after the data
+    read as a timed-out kernel wait would be) may still write the slots: the fetch
+    reports nothing valid and the slots retired, so the engine never reuses them. Any
+    other transfer failure is a plain miss."""
+    chain = [h(i) for i in range(4)]
+    _store(pair, chain, seed=5)
+    dst = [s for s, _ in pair.reader.allocate(4)]
+
+    def stuck() -> None:
+        raise error("cuda read did not complete in time")
+
+    pair.fetcher.after_data = stuck
+    r = pair.fetcher.fetch(NS, pair.reader, chain, dst)
+    assert r.valid_blocks == 0
+    assert r.slots_retired is (error is CopyTimedOut)
 
 
 def _race(pair: _Pair, action: Callable[[KvPool, int], None], j: int) -> None:

@@ -27,7 +27,7 @@ from kvdir.agent.engine.vllm.config import ConnectorConfig
 from kvdir.agent.engine.vllm.namespace import KvShape
 from kvdir.agent.engine.vllm.plan import Found
 from kvdir.agent.engine.vllm.scheduler import SchedulerSide
-from kvdir.agent.engine.vllm.seam import Fetched
+from kvdir.agent.engine.vllm.seam import AgentUnavailable, Fetched
 from kvdir.agent.engine.vllm.worker import Announce, LoadJob, SaveJob, WorkerSide
 
 WAIT_S = 5.0
@@ -98,6 +98,10 @@ class AgentDouble:
         """Blocks a fetch reports valid (None: all of them)."""
         self.found = Found()
         self.lookups = 0
+        self.retired = False
+        """The fetch answers that a copy into its slots may still land."""
+        self.down = False
+        """The fetch gets no answer (the agent is gone or hung)."""
 
     def available(self) -> bool:
         return True
@@ -115,6 +119,10 @@ class AgentDouble:
         self.tickets.append(ticket)
         if self.on_fetch is not None:
             self.on_fetch()
+        if self.down:
+            raise AgentUnavailable("no answer")
+        if self.retired:
+            return Fetched(0, "cuda", slots_retired=True)
         v = len(slots) if self.valid is None else self.valid
         return Fetched(v, "cuda", v * 1024, invalidated=len(slots) - v)
 
@@ -188,6 +196,27 @@ def test_an_inline_load_lands_before_it_returns_and_this_step_reports_it() -> No
         assert w.finished() == {"r3"}  # this step reports it: the request runs next step
         assert w.take_errors() == {21, 22}
         assert w.drain_stats().recomputed_blocks == 2
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("how", ["retired", "no answer"])
+def test_slots_a_read_may_still_land_in_are_never_handed_out_again(how: str) -> None:
+    """A device read that outlived the agent's deadline (slots_retired), or a fetch with
+    no answer at all: its slots are not given back to the save reserve, where a save
+    would write them while the read may still land (and then announce them stored)."""
+    w, _mover, agent = _worker(reserve=8)
+    try:
+        agent.retired, agent.down = how == "retired", how == "no answer"
+        stash = set(w._stash)
+        job = LoadJob("r5", (b"a", b"b", b"c"), 0, (30, 31, 32), (), ticket=b"T", inline=True)
+        w.load_now(job)
+        assert w.finished() == {"r5"} and w.take_errors() == {30, 31, 32}  # recomputed
+        taken = stash - set(w._stash)
+        assert len(taken) == 3  # the fetch's slots came from the reserve ...
+        wait_until(lambda: len(w._stash) >= 8, "the reserve's refill")
+        assert not taken & set(w._stash)  # ... and never went back to it
+        assert w.drain_stats().retired_slots == 3
     finally:
         w.close()
 

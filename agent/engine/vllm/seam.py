@@ -71,6 +71,9 @@ class Fetched:
     """The agent's own time for the fetch (lookup, read, validation)."""
     read_seconds: float = 0.0
     """Of `seconds`: the data read, the header read and validation."""
+    slots_retired: bool = False
+    """A device copy into the slots may still land (it outlived the agent's deadline):
+    never use them again (FetchResponse.slots_retired)."""
 
 
 class AgentSeam:
@@ -226,7 +229,7 @@ class AgentSeam:
             raise self._failed(PoolChanged("the agent's pool file changed under us"))
         return Fetched(
             r.valid_blocks, r.transport, r.bytes, r.invalidated, r.source_node,
-            r.seconds, r.read_seconds,
+            r.seconds, r.read_seconds, r.slots_retired,
         )  # fmt: skip
 
     def stored(self, hashes: Sequence[bytes], slots: Sequence[int]) -> None:

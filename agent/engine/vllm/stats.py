@@ -10,6 +10,8 @@ vLLM's own vllm:external_prefix_cache_hits:
     kvdir:saved_blocks_total, kvdir:saved_bytes_total, kvdir:save_skipped_total
     kvdir:validation_misses_total       loads cut short by a reused slot
     kvdir:recomputed_blocks_total       promised blocks vLLM recomputed instead
+    kvdir:retired_slots_total           pool slots never used again (a read into them
+                                        outlived its deadline and may still land)
     kvdir:lookups_total, kvdir:lookup_timeouts_total, kvdir:agent_unavailable_total
     kvdir:lookups_skipped_total         requests vLLM's own cache covered (not looked up)
     kvdir:slow_pulls_skipped_total      pulls the cost model said lose to recomputing
@@ -35,6 +37,7 @@ SCALARS = (
     "save_skipped",
     "validation_misses",
     "recomputed_blocks",
+    "retired_slots",
     "lookups",
     "lookup_timeouts",
     "agent_unavailable",
@@ -56,6 +59,7 @@ def worker_data(s: Stats) -> dict[str, Any]:
         "save_skipped": s.save_skipped,
         "validation_misses": s.validation_misses,
         "recomputed_blocks": s.recomputed_blocks,
+        "retired_slots": s.retired_slots,
         "load_seconds": list(s.load_seconds),
         "peer_loads": list(s.peer_loads),
         "prefill_steps": list(s.prefill_steps),

@@ -145,6 +145,8 @@ class Stats:
     save_skipped: int = 0
     validation_misses: int = 0
     recomputed_blocks: int = 0
+    retired_slots: int = 0
+    """Slots never to be used again (a read into them may still land)."""
     load_seconds: list[float] = field(default_factory=list)
     peer_loads: list[tuple[int, float]] = field(default_factory=list)
     """(bytes, seconds) of each load's peer part: what the scheduler side's cost model learns."""
@@ -329,7 +331,9 @@ class WorkerSide:
         try:
             r = self.seam.fetch(job.hashes[: got + len(slots)], got, slots, job.ticket)
         except AgentUnavailable:
-            self._give_back(slots)
+            # No answer: a read into these slots may still be running in the agent, so
+            # they are never written again (kept reserved until this engine exits).
+            self._retire(slots)
             return trace
         t2 = self.clock()
         v = r.valid_blocks
@@ -341,7 +345,10 @@ class WorkerSide:
         if v:  # the fetched blocks stay in the pool, announced once their bytes are complete
             self.copier.fetched(slots[:v], job.hashes[got : got + v], r.transport)
             self._queued.set()
-        self._give_back(slots[v:])
+        if r.slots_retired:
+            self._retire(slots[v:])
+        else:
+            self._give_back(slots[v:])
         with self._stats_lock:
             self.stats.add_loaded(r.transport or "none", v, r.bytes)
             if v:
@@ -416,6 +423,13 @@ class WorkerSide:
                 self.seam.stored(hashes, slots)
             except AgentUnavailable:
                 self._give_back(slots)
+
+    def _retire(self, slots: Sequence[int]) -> None:
+        """Slots a copy may still land in: never handed out again by this engine (they
+        stay reserved in its name; the agent reclaims them when the engine exits)."""
+        with self._stats_lock:
+            self.stats.retired_slots += len(slots)
+        log.warning("kvdir: %d pool slots retired: a read into them may still land", len(slots))
 
     def _give_back(self, slots: Sequence[int]) -> None:
         with self._stash_lock:

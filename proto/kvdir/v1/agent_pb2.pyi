@@ -817,6 +817,7 @@ class FetchResponse(_message.Message):
     READ_SECONDS_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    SLOTS_RETIRED_FIELD_NUMBER: _builtins.int
     valid_blocks: _builtins.int
     """leading blocks (from skip_blocks) now valid in the given slots"""
     source_node: _builtins.str
@@ -831,6 +832,11 @@ class FetchResponse(_message.Message):
     """"cuda" (same-host GPU), "host" (the holder's host copy), ..."""
     epoch: _builtins.int
     """the epoch of the slots written"""
+    slots_retired: _builtins.bool
+    """A device copy into the slots did not complete by the deadline and may still
+    land: the caller must never use them again (not even to write them), and
+    keeps them reserved until it exits (docs/vllm.md, "What happens when").
+    """
     def __init__(
         self,
         *,
@@ -843,10 +849,11 @@ class FetchResponse(_message.Message):
         read_seconds: _builtins.float = ...,
         path: _builtins.str = ...,
         epoch: _builtins.int = ...,
+        slots_retired: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "epoch", b"epoch", "invalidated", b"invalidated", "path", b"path", "read_seconds", b"read_seconds", "seconds", b"seconds", "source_node", b"source_node", "transport", b"transport", "valid_blocks", b"valid_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "epoch", b"epoch", "invalidated", b"invalidated", "path", b"path", "read_seconds", b"read_seconds", "seconds", b"seconds", "slots_retired", b"slots_retired", "source_node", b"source_node", "transport", b"transport", "valid_blocks", b"valid_blocks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
