@@ -230,7 +230,7 @@ def start(
     ]
     for d in disks:
         args += ["-drive", f"file={d},format=raw,if=virtio,cache=writeback"]
-    cmdline = ["console=ttyS0", "rdinit=/init", "panic=-1", "quiet"]
+    cmdline = ["console=ttyS0", "rdinit=/init", "panic=-1", "quiet", *vm.KERNEL_TUNING]
     for i, (path, ro) in enumerate([(str(out_dir), False), *_shares(source)]):
         tag = f"kvdir{i}"
         guest_path = vm.OUT_MOUNT if i == 0 else path
