@@ -17,6 +17,7 @@ that leaves this module refers to a column's memory.
 
 from __future__ import annotations
 
+import struct
 import sys
 from array import array
 from collections.abc import Iterator, Sequence
@@ -237,8 +238,7 @@ def longest_prefixes(
     if chain.packed:
         # Only the holders of block 0 can hold a prefix: follow each one's runs.
         starts = _holder_starts(c, s0, exclude)
-        with _views(c) as v:
-            return [(n, _follow_runs(v, blocks, c, chain, ns, s)) for n, s in starts]
+        return [(n, _follow_runs(blocks, c, chain, ns, s)) for n, s in starts]
     n = len(chain)
     h = np.fromiter(map(blocks.get, chain.items(), repeat(NIL, n)), np.int64, n)
     gaps = np.flatnonzero(h == NIL)
@@ -262,7 +262,7 @@ def _holder_starts(c: Columns, head: int, exclude: int) -> list[tuple[int, int]]
     return list(best.items())
 
 
-def _follow_runs(v: _V, blocks: BlockIndex, c: Columns, chain: Chain, ns: int, s0: int) -> Any:
+def _follow_runs(blocks: BlockIndex, c: Columns, chain: Chain, ns: int, s0: int) -> Any:
     """Prefix of node(s0), a holder of block 0: follow runs of consecutive slots.
 
     A holder that published a chain in one batch stored it in consecutive
@@ -279,11 +279,13 @@ def _follow_runs(v: _V, blocks: BlockIndex, c: Columns, chain: Chain, ns: int, s
     runs: list[Any] = []
     i, s = 0, s0
     while i < n:
-        run = _run(v, c, chain, i, s, min(n - i, nslots - s), ns, node)
+        run = _run(c, chain, i, s, min(n - i, nslots - s), ns, node)
         slots: Any = range(s, s + run)
         if b"\x01" in c.dual[s : s + run].tobytes():
             patched = np.arange(s, s + run, dtype=np.int64)
-            for j in np.flatnonzero(v.dual[s : s + run]).tolist():
+            with _views(c) as v:
+                dual = np.flatnonzero(v.dual[s : s + run]).tolist()
+            for j in dual:
                 patched[j] = _best_slot(c, blocks.get(chain.item(i + j), NIL), node)
             slots = patched
         runs.append(slots)
@@ -316,17 +318,16 @@ def prefix_lengths(
         return []
     c = table.col
     starts = _holder_starts(c, s0, exclude)
-    with _views(c) as v:
-        return [(n, _run_length(v, blocks, c, chain, ns, s)) for n, s in starts]
+    return [(n, _run_length(blocks, c, chain, ns, s)) for n, s in starts]
 
 
-def _run_length(v: _V, blocks: BlockIndex, c: Columns, chain: Chain, ns: int, s0: int) -> int:
+def _run_length(blocks: BlockIndex, c: Columns, chain: Chain, ns: int, s0: int) -> int:
     """As `_follow_runs`, counting the prefix's blocks instead of listing its slots."""
     n, node = len(chain), c.node[s0]
     nslots = len(c.key)
     i, s = 0, s0
     while i < n:
-        i += _run(v, c, chain, i, s, min(n - i, nslots - s), ns, node)
+        i += _run(c, chain, i, s, min(n - i, nslots - s), ns, node)
         if i >= n:
             break
         s = _best_slot(c, blocks.get(chain.item(i), NIL), node)
@@ -335,7 +336,7 @@ def _run_length(v: _V, blocks: BlockIndex, c: Columns, chain: Chain, ns: int, s0
     return i
 
 
-def _run(v: _V, c: Columns, chain: Chain, i: int, s: int, k: int, ns: int, node: int) -> int:
+def _run(c: Columns, chain: Chain, i: int, s: int, k: int, ns: int, node: int) -> int:
     """How many of slots s..s+k-1 hold blocks i..i+k-1 for `node` in namespace `ns`.
 
     Exact: a slot counts when its fingerprint, key width, namespace and node
@@ -344,21 +345,26 @@ def _run(v: _V, c: Columns, chain: Chain, i: int, s: int, k: int, ns: int, node:
     and else by bisection to find where they stop; the other columns are then
     checked over that run with C-level array compares, and only if one of
     them differs (which a holder's own run never does) is the exact vector
-    compare over all four columns done to find where.
+    compare over all four columns done to find where (numpy views are made for
+    that case only: a lookup follows runs on each of several groups' tables,
+    and views it never used were a tenth of each).
     """
     have = c.fp[s : s + k].tobytes()
     want = chain.fingerprint_bytes()[8 * i : 8 * (i + k)]
     run = k if have == want else _common_words(have, want, k)
     width = chain.width
     if run and not (
-        c.node[s : s + run].tobytes() == array("I", (node,)).tobytes() * run
-        and c.ns[s : s + run].tobytes() == array("I", (ns,)).tobytes() * run
+        c.node[s : s + run].tobytes() == _U32.pack(node) * run
+        and c.ns[s : s + run].tobytes() == _U32.pack(ns) * run
         and c.kw[s : s + run].tobytes() == bytes((width,)) * run
     ):
-        ok = (
-            (v.kw[s : s + run] == width) & (v.ns[s : s + run] == ns) & (v.node[s : s + run] == node)
-        )
-        run = int(ok.argmin()) if not ok.all() else run
+        with _views(c) as v:
+            ok = (
+                (v.kw[s : s + run] == width)
+                & (v.ns[s : s + run] == ns)
+                & (v.node[s : s + run] == node)
+            )
+            run = int(ok.argmin()) if not ok.all() else run
     if width > 8 and run:
         run = _same_keys(c.key, chain, i, s, run)
     return run
@@ -478,6 +484,25 @@ def packed_records(table: Table, slots: Sequence[int]) -> PackedRecords:
         )
 
 
+RecordColumns = tuple["bytes | array[int]", "bytes | array[int]", "bytes | array[int]",
+                      "bytes | array[int]", "bytes | array[int]"]  # fmt: skip
+"""Holder records as `PackedRecords`' five columns in its order, each little-endian
+bytes or a little-endian host's `array` of them (`record_columns`)."""
+
+
+def record_columns(table: Table, slots: Sequence[int]) -> RecordColumns:
+    """`packed_records` as buffers for a reader that joins them itself (a sharded
+    mirror's merge): the columns' own slices for a run of consecutive slots on a
+    little-endian host (copies, so valid after the lock; no bytes made of them, no
+    record built: a merge of four groups did that 4 times per holder), else
+    `packed_records`' bytes."""
+    if _LITTLE and isinstance(slots, range) and slots.step == 1:
+        c, a, b = table.col, slots.start, slots.stop
+        return c.addr[a:b], c.length[a:b], c.rkey[a:b], c.gen[a:b], c.tier[a:b]
+    r = packed_records(table, slots)
+    return r.addresses, r.lengths, r.rkeys, r.generations, r.tiers
+
+
 def _packed_run(c: Columns, a: int, b: int) -> PackedRecords:
     """Records of slots a..b-1 (a run of consecutive slots, the usual answer): plain
     memory copies."""
@@ -510,6 +535,9 @@ def _le(col: array[int], rs: Sequence[range]) -> bytes:
 
 
 _LITTLE = sys.byteorder == "little"
+_U32 = struct.Struct("@I")
+"""One u32 column value's bytes (`array("I")`'s item: C unsigned int, native): one call,
+where an `array` built to be dumped cost two and half again the time."""
 
 
 def sort_matches(matches: list[Match], max_nodes: int) -> list[Match]:

@@ -823,6 +823,10 @@ class Table:
         """Holder records of `slots` as packed little-endian bytes (the wire form)."""
         return prefix_lookup.packed_records(self, slots)
 
+    def record_columns(self, slots: Sequence[int]) -> prefix_lookup.RecordColumns:
+        """`packed_records`' columns as buffers (`lookup.record_columns`)."""
+        return prefix_lookup.record_columns(self, slots)
+
     def digest(self) -> bytes:
         """SHA-256 of the table's content in a canonical order (not its slot layout).
 
