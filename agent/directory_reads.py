@@ -19,10 +19,10 @@ ends the valid prefix early: a miss, never wrong KV (agent/fetcher.py).
 `Lookup` only reports peers; what the engine then asks to fetch goes through
 that same validation.
 
-Both read `holders`: typed `Holder` values. From a fresh (unsharded) mirror
-they come straight off its table (the records' packed columns, no
-LookupRequest or LookupResponse built and parsed inside the agent); else off
-a lookup's answer.
+Both read `holders`: typed `Holder` values. From a fresh mirror they come
+straight off its table (the records' packed columns), or off a sharded
+mirror's typed merge (`ShardedMirror.merged`): no LookupRequest or
+LookupResponse built and parsed inside the agent; else off a lookup's answer.
 """
 
 from __future__ import annotations
@@ -32,14 +32,15 @@ from typing import Protocol
 
 from kvdir.agent.config import AgentConfig
 from kvdir.agent.holders import Holder
-from kvdir.core.mirror import ChainLookups, Lag, Mirror, MirroredDirectory
+from kvdir.core.client import DirectoryError
+from kvdir.core.mirror import ChainLookups, Lag, Mirror, MirroredDirectory, NotServed
 from kvdir.core.mirror_sync import MirrorSync
 from kvdir.core.security import ClientSecurity
 from kvdir.core.sharded_client import AnyDirectoryClient, ShardedDirectoryClient
-from kvdir.core.sharded_mirror import ShardedMirror, ShardedMirrorSync
+from kvdir.core.sharded_mirror import Merged, ShardedMirror, ShardedMirrorSync
 from kvdir.directory.lookup import Chain
 from kvdir.directory.table import Match, Table
-from kvdir.directory.validate import namespace_key
+from kvdir.directory.validate import BadRequest, namespace_key
 from kvdir.v1 import directory_pb2 as pb
 
 
@@ -110,12 +111,30 @@ class MirrorReads(ChainLookups):
                     table = m.table
                     found = table.lookup(key, Chain.of(chain), max_nodes, exclude_node)
                     return [_holder(table, x) for x in found]
+        if isinstance(m, ShardedMirror) and chain:
+            try:
+                merged = m.merged(namespace_key(ns), Chain.of(chain), max_nodes, exclude_node)
+            except (NotServed, BadRequest, DirectoryError):
+                pass  # asked again through `lookup`: the replicas, or the request's error
+            else:
+                self.lookups += 1
+                return [_merged_holder(x) for x in merged]
         return [Holder.of(x) for x in self.lookup(ns, chain, max_nodes, exclude_node).matches]
 
 
 def _holder(table: Table, m: Match) -> Holder:
     """One table match as a Holder (under the table's lock)."""
     node, rec = m.node, table.packed_records(m.slots)
+    return Holder(
+        node.node_id, m.prefix_blocks, node.host, node.endpoint, tuple(node.transports),
+        rec.addresses, rec.lengths, rec.rkeys, rec.generations, rec.tiers,
+    )  # fmt: skip
+
+
+def _merged_holder(m: Merged) -> Holder:
+    """One sharded mirror holder as a Holder (records: the merge's own bytes)."""
+    node, rec = m.node, m.records
+    assert rec is not None, "asked with records"
     return Holder(
         node.node_id, m.prefix_blocks, node.host, node.endpoint, tuple(node.transports),
         rec.addresses, rec.lengths, rec.rkeys, rec.generations, rec.tiers,

@@ -1,0 +1,215 @@
+"""A chain's routing over the groups, computed once and kept: a lookup `Plan`.
+
+A sharded mirror's lookup of a chain asks each group's table for the part
+of the chain the group owns and interleaves the groups' records back into
+chain order. Routing the chain (the memo's probes and the split by group),
+cutting each group's part out of it and its fingerprints cost more than the
+table lookups themselves: 25-30 numpy calls per lookup whatever the chain's
+length. None of that depends on the tables, only on the chain and the map,
+and chains are asked about again and again (a scheduler asks for every
+waiting request at each step; a conversation's next turn starts with the
+last one's chain). So a `Plan` keeps what a lookup needs of its chain:
+
+- each group's part as a `Chain` with its fingerprints computed (what the
+  table's run-following lookup compares);
+- the record layout: the groups' parts back to back, and `order`, the
+  permutation that puts a layout in chain order (one take per column);
+- how many leading blocks the first group owns (records of a prefix inside
+  them need no interleaving at all).
+
+`Plans` remembers them by the chain's bytes, for one map (a new map, new
+`Plans`), so a remembered plan is never wrong; bounded by the blocks held.
+"""
+
+from __future__ import annotations
+
+import threading
+from array import array
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import numpy as np
+import numpy.typing as npt
+
+from kvdir.core.shard_route import Router
+from kvdir.directory.lookup import Chain, PackedRecords, RecordColumns
+
+PLAN_BLOCKS_MAX = 1 << 18
+"""Chain blocks whose plans are remembered (about 48 B each: ~12 MiB); the oldest
+plans are forgotten first."""
+
+_COLUMNS = (
+    ("addresses", "<u8", 8),
+    ("lengths", "<u4", 4),
+    ("rkeys", "<u4", 4),
+    ("generations", "<u8", 8),
+    ("tiers", "u1", 1),
+)
+"""PackedRecords' fields, in order: element type (little-endian) and size."""
+_INDEXED = tuple(enumerate(_COLUMNS))
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    """The blocks of a chain that one group owns."""
+
+    group_id: str
+    positions: npt.NDArray[np.int64]
+    """Their chain positions, ascending."""
+    chain: Chain
+    """Their hashes, in chain order (the group's lookup)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """How one chain's lookup is split over the groups and merged back."""
+
+    blocks: int
+    parts: tuple[Part, ...]
+    """Groups in the order of their first block: parts[0] owns block 0."""
+    sizes: tuple[int, ...]
+    """Blocks of each part."""
+    lead_run: int
+    """Blocks from block 0 on that parts[0] owns before another group's first."""
+    order: npt.NDArray[np.intp]
+    """Chain position -> index in the layout of the parts' records back to back."""
+
+    @classmethod
+    def of(cls, chain: Chain, positions: Mapping[str, npt.NDArray[np.int64]]) -> Plan:
+        """The plan of `chain` routed as `positions` (`Router`'s answer: ascending
+        positions by group, groups in the order of their first block)."""
+        n = len(chain)
+        if chain.packed:
+            packed = np.frombuffer(chain.data, f"S{chain.width}")
+            subs = [Chain(packed[p].tobytes(), chain.width) for p in positions.values()]
+        else:
+            items = chain.items()
+            subs = [Chain.of([items[i] for i in p.tolist()]) for p in positions.values()]
+        for sub in subs:
+            if sub.packed:
+                sub.fingerprint_bytes()  # cached in the Chain: once per plan, not per lookup
+        parts = tuple(Part(g, p, s) for (g, p), s in zip(positions.items(), subs, strict=True))
+        order = np.empty(n, np.intp)
+        order[np.concatenate([p.positions for p in parts])] = np.arange(n)
+        lead_run = int(parts[1].positions[0]) if len(parts) > 1 else n
+        return cls(n, parts, tuple(len(p.positions) for p in parts), lead_run, order)
+
+    def bounds(self, prefixes: Sequence[Mapping[str, int] | None]) -> dict[str, int]:
+        """Each holder's prefix of the whole chain (0 left out) from its prefix of each
+        part (`prefixes[i]`: parts[i]'s group's answer as {holder: prefix of the part};
+        None: the group is not read, its blocks count as absent).
+
+        `shard_merge.prefix_bounds` with the parts' lengths at hand: a holder holds
+        the chain up to its first block missing from some part (that part's
+        position at the holder's prefix of it)."""
+        holders = {h for got in prefixes if got is not None for h in got}
+        out = {}
+        for h in holders:
+            bound = self.blocks
+            for part, n, got in zip(self.parts, self.sizes, prefixes, strict=True):
+                k = 0 if got is None else got.get(h, 0)
+                if k < n:
+                    bound = min(bound, part.positions.item(k))
+            if bound > 0:
+                out[h] = bound
+        return out
+
+    def records(self, prefix: int, got: Sequence[RecordColumns | None]) -> PackedRecords:
+        """One holder's records of chain blocks 0..prefix-1, in chain order, from each
+        part's records (`got[i]`: parts[i]'s group's records of the holder's prefix
+        of that part, None where it holds none of it).
+
+        Each part's records must cover its blocks below `prefix` (as `bounds`
+        computes it from the same answers)."""
+        whole = True  # every part's records cover the whole part
+        for part, n, rec in zip(self.parts, self.sizes, got, strict=True):
+            held = 0 if rec is None else len(rec[4])  # tiers: one byte per block
+            # The merge bound: a part's answer ends at or after the prefix.
+            assert held == n or part.positions.item(held) >= prefix, "merge bound broken"
+            whole = whole and held == n
+        if prefix <= self.lead_run:  # every block of it is the lead's, in order already
+            lead = got[0]
+            assert lead is not None or prefix == 0
+            if lead is None:
+                return PackedRecords(b"", b"", b"", b"", b"")
+            return PackedRecords(*[_head(lead[i], size * prefix) for i, (_, _, size) in _INDEXED])
+        take = self.order[:prefix]
+        if whole:  # the usual case: the parts' columns are the layout as they are
+            full = cast("Sequence[RecordColumns]", got)
+            return PackedRecords(
+                *[_take([r[i] for r in full], dtype, take) for i, (_, dtype, _) in _INDEXED]
+            )
+        return PackedRecords(
+            *[_take(self._padded(i, size, got), dtype, take) for i, (_, dtype, size) in _INDEXED]
+        )
+
+    def _padded(self, column: int, size: int, got: Sequence[RecordColumns | None]) -> list[bytes]:
+        """A column of each part padded to the part's length: a holder's answer may
+        end before its part does (`take` reads no block past the prefix)."""
+        pieces = []
+        for n, rec in zip(self.sizes, got, strict=True):
+            col = b"" if rec is None else bytes(rec[column])
+            pieces.append(col.ljust(n * size, b"\0"))
+        return pieces
+
+
+def _head(col: bytes | array[int], nbytes: int) -> bytes:
+    """The first `nbytes` bytes of a column."""
+    return memoryview(col).cast("B")[:nbytes].tobytes()
+
+
+def _take(pieces: Sequence[bytes | array[int]], dtype: str, take: npt.NDArray[np.intp]) -> bytes:
+    """The parts' column laid out back to back, put in chain order by one take (per
+    column: on the two columns of one width as rows of one array, numpy's 2-D fancy
+    index cost 7 us for 500 blocks, two 1-D takes 1.5 us)."""
+    return np.frombuffer(b"".join(pieces), dtype).take(take).tobytes()
+
+
+class Plans:
+    """Plans of the chains looked up, for one map (`router.map`); thread-safe."""
+
+    def __init__(self, router: Router, blocks_max: int = PLAN_BLOCKS_MAX) -> None:
+        self.router = router
+        self.blocks_max = blocks_max
+        self._plans: dict[tuple[int, bytes], Plan] = {}
+        """By (hash width, the chain's packed hashes): insertion order is age."""
+        self._blocks = 0
+        self._lock = threading.Lock()
+        """Held to make and keep a plan (the router's memo is not thread-safe); a
+        remembered plan is read without it."""
+        self.made = 0
+        """Plans made (lookups whose chain was not remembered)."""
+
+    def plan(self, chain: Chain) -> Plan:
+        key = (chain.width, chain.data)
+        if chain.packed:
+            got = self._plans.get(key)
+            if got is not None:
+                return got
+        with self._lock:
+            if chain.packed:
+                got = self._plans.get(key)
+                if got is not None:  # made by another thread meanwhile
+                    return got
+            p = Plan.of(chain, self._route(chain))
+            self.made += 1
+            if chain.packed and len(chain) <= self.blocks_max:
+                self._keep(key, p)
+            return p
+
+    def _route(self, chain: Chain) -> dict[str, npt.NDArray[np.int64]]:
+        groups = self.router.map.groups
+        if len(groups) == 1:  # no hash to route: one group owns every block
+            return {groups[0].group_id: np.arange(len(chain), dtype=np.int64)}
+        if chain.packed:
+            return self.router.positions_packed(chain.data, chain.width)
+        return self.router.positions(chain.items())
+
+    def _keep(self, key: tuple[int, bytes], p: Plan) -> None:
+        """Under `_lock`: the oldest plans go until `p` fits."""
+        while self._blocks + p.blocks > self.blocks_max:
+            oldest = next(iter(self._plans))
+            self._blocks -= self._plans.pop(oldest).blocks
+        self._plans[key] = p
+        self._blocks += p.blocks
