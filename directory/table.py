@@ -789,6 +789,25 @@ class Table:
             matches.append(Match(node, slots))
         return prefix_lookup.sort_matches(matches, max_nodes)
 
+    def holder_prefixes(
+        self, namespace: str, chain: prefix_lookup.Chain, max_nodes: int, exclude_node: str = ""
+    ) -> list[tuple[NodeState, Sequence[int]]]:
+        """`lookup`'s holders with their prefix's slots, in no set order and with no
+        `Match` built: for a merge that orders holders itself (a sharded mirror, once
+        per group). The same holders as `lookup`'s, cut at `max_nodes` as it cuts."""
+        if max_nodes <= 0:
+            return []
+        exclude = self.node_idx.get(exclude_node, NIL) if exclude_node else NIL
+        found = []
+        for n, slots in prefix_lookup.longest_prefixes(self, namespace, chain, exclude):
+            node = self.node_by_idx[n]
+            assert node is not None, "a slot points at a forgotten node"
+            found.append((node, slots))
+        if len(found) > max_nodes:
+            found.sort(key=lambda x: (-len(x[1]), x[0].node_id))
+            del found[max_nodes:]
+        return found
+
     def prefix_lengths(
         self, namespace: str, chain: prefix_lookup.Chain, max_nodes: int
     ) -> list[tuple[str, int]]:

@@ -58,7 +58,7 @@ from kvdir.directory import answer, codec, snapshot, validate
 from kvdir.directory.commands import Command
 from kvdir.directory.limits import RequestLimits
 from kvdir.directory.lookup import Chain
-from kvdir.directory.table import Match, Table
+from kvdir.directory.table import Match, NodeState, Table
 from kvdir.v1 import directory_pb2 as pb
 
 MAX_STALENESS_S_DEFAULT = 1.0
@@ -399,6 +399,14 @@ class Mirror(ChainLookups):
         if self._moving(chain):
             return []
         return self.table.lookup(ns_key, chain, max_nodes, exclude_node)
+
+    def holder_prefixes(
+        self, ns_key: str, chain: Chain, max_nodes: int, exclude_node: str = ""
+    ) -> list[tuple[NodeState, Sequence[int]]]:
+        """`matches` as the table's `holder_prefixes` (in no set order), under `lock`."""
+        if self._moving(chain):
+            return []
+        return self.table.holder_prefixes(ns_key, chain, max_nodes, exclude_node)
 
     def _moving(self, chain: Chain) -> bool:
         fence = self.table.fence

@@ -272,13 +272,14 @@ class ShardedMirror(ChainLookups):
                 continue
             m = self.mirrors[part.group_id]
             with m.lock:  # records read under the lock that keeps their slots
-                found = m.matches(ns, part.chain, max_nodes, exclude_node)
+                found = m.holder_prefixes(ns, part.chain, max_nodes, exclude_node)
                 if i == 0:  # the lead: owns block 0, so every holder's details
-                    nodes = {x.node.node_id: x.node for x in found}
+                    nodes = {node.node_id: node for node, _ in found}
                     read = m.read_indexes()
                 if not omit_records:
-                    columns.append({x.node.node_id: m.table.record_columns(x.slots) for x in found})
-            prefixes.append({x.node.node_id: x.prefix_blocks for x in found})
+                    cols = m.table.record_columns
+                    columns.append({node.node_id: cols(slots) for node, slots in found})
+            prefixes.append({node.node_id: len(slots) for node, slots in found})
         bounds = plan.bounds(prefixes)
         best = sorted(bounds.items(), key=lambda x: (-x[1], x[0]))[:max_nodes]
         return [
