@@ -2,33 +2,30 @@
 
 Node A: a `kvdir agent serve` process and an engine. Node B: an AgentDaemon
 in this process (real Unix socket, real TCP port, tcp transport only, so its
-fetch hook can make a reuse or a peer death race a read) and an engine. The
-engines start once for the module; every test uses its own prompts. The
-destructive tests (peer killed, directory down, agent down) run last, in
-that order. The reference for "identical output" is engine A computing the
+fetch hook can make a reuse or a peer death race a read) and an engine: the
+session's `pair` (conftest.py), which test_lora shares, so every test uses its
+own prompts and reads counters as differences. The destructive tests (peer
+killed, directory down, agent down) run last, in that order, and this module
+after the tier's others. The reference for "identical output" is engine A computing the
 whole prompt itself: a fresh cache_salt matches nothing, and a salt changes
 only the block hashes, never the computation.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from kvdir.agent.config import AgentConfig, PoolConfig
-from kvdir.agent.daemon import AgentDaemon
 from kvdir.agent.engine.client import EngineClient
-from kvdir.local import LOOPBACK, LocalAgent, LocalCluster, free_ports, wait_agent_sees
-from tests.vllm.conftest import POOL_SLOTS, start_agent, start_engines
+from kvdir.local import wait_agent_sees
+from tests.vllm.conftest import Pair
 from tests.vllm.engines import Engine
 from tests.vllm.helpers import NS, held, keys, metric, prompt, wait_held
-from tests.vllm.model import BLOCK_BYTES, BLOCK_TOKENS, LAYOUT, MODEL_NAME
+from tests.vllm.model import BLOCK_BYTES, BLOCK_TOKENS, MODEL_NAME
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -39,61 +36,6 @@ FALLBACK_S_MAX = 30.0
 PROMPT_TOKENS = 1600
 TURN_TOKENS = 100
 OUT_TOKENS = 16
-
-
-@dataclass
-class Pair:
-    cluster: LocalCluster
-    agent_a: LocalAgent
-    daemon_b: AgentDaemon
-    engines: dict[str, Engine]
-    b_stopped: bool = False
-
-
-def _daemon(cluster: LocalCluster, base: str) -> AgentDaemon:
-    (port,) = free_ports(1)
-    cfg = AgentConfig(
-        node_id="b",
-        host=LOOPBACK,
-        directory=tuple(cluster.grpc_addresses),
-        listen=f"{LOOPBACK}:{port}",
-        engine_socket=os.path.join(base, "b.sock"),
-        pools=(
-            PoolConfig(MODEL_NAME, BLOCK_TOKENS, BLOCK_BYTES, POOL_SLOTS, "bf16", LAYOUT, 0, 1),
-        ),
-        transports=("tcp",),
-        lease_ms=15_000,
-        pool_dir=base,
-    )
-    return AgentDaemon(cfg)
-
-
-@pytest.fixture(scope="module")
-def pair(
-    cluster: LocalCluster, model_dir: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Pair]:
-    base = str(tmp_path_factory.mktemp("nodes"))
-    agent_a = start_agent(cluster, base, "a", "tcp,shm")
-    daemon_b = _daemon(cluster, base)
-    engines: dict[str, Engine] = {}
-    pairs: list[Pair] = []
-    try:
-        daemon_b.start()
-        sockets: dict[str, str | None] = {
-            "a": agent_a.engine_socket,
-            "b": daemon_b.cfg.engine_socket,
-        }
-        engines = start_engines(base, model_dir, sockets)
-        pairs.append(Pair(cluster, agent_a, daemon_b, engines))
-        yield pairs[0]
-    finally:
-        for e in engines.values():
-            e.stop()
-        if daemon_b.fetcher is not None:
-            daemon_b.fetcher.after_data = None
-        if not (pairs and pairs[0].b_stopped):
-            daemon_b.stop(deregister=False)
-        agent_a.stop()
 
 
 def one_shot(pair: Pair, action: Callable[[], None]) -> list[int]:
@@ -144,16 +86,17 @@ FULL = PROMPT_TOKENS // BLOCK_TOKENS * BLOCK_TOKENS
 @pytest.mark.timeout(1500)
 def test_b_loads_a_prefix_and_answers_identically(pair: Pair) -> None:
     _, turn = a_computes(pair, 1)
+    before = pair.engines["b"].metrics()
     got = out(pair.engines["b"], turn)
-    metrics = pair.engines["b"].metrics()
+    after = pair.engines["b"].metrics()
+
+    def grew(name: str) -> float:
+        return metric(after, name) - metric(before, name)
+
     assert got["cached"] == FULL
-    assert metric(metrics, "vllm:external_prefix_cache_hits") >= FULL
-    assert (
-        metric(
-            metrics, "vllm:prompt_tokens_cached_by_source{model_name=kvdir-tiny-llama,source=p2p}"
-        )
-        >= FULL
-    )
+    assert grew("vllm:external_prefix_cache_hits") >= FULL
+    p2p = f"vllm:prompt_tokens_cached_by_source{{model_name={MODEL_NAME},source=p2p}}"
+    assert grew(p2p) >= FULL
     same_answer(got, reference(pair, turn, "ref-1"))
     # The fetched blocks stay in B's pool and are published: B is now a holder too.
     wait_held(pair.cluster, turn, "b", FULL // BLOCK_TOKENS)

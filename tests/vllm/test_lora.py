@@ -14,23 +14,22 @@ really compute different KV):
   answer equals A computing P under "a".
 
 "Recomputing" means the same engine with a fresh cache_salt, which matches no
-block and changes only the hashes, never the computation.
+block and changes only the hashes, never the computation. The engines and agents
+are the session's `pair` (conftest.py: node B's agent moves blocks over TCP),
+shared with test_e2e; counters are read as differences.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from kvdir.core.hashing import vllm_hash_fn, vllm_none_hash
-from kvdir.local import ClusterError, LocalAgent, LocalCluster, wait_agent_sees, wait_for
-from tests.vllm.conftest import start_agent
-from tests.vllm.engines import Engine, connector_config
+from kvdir.local import ClusterError, LocalCluster, wait_agent_sees, wait_for
+from tests.vllm.conftest import LORAS, Pair
+from tests.vllm.engines import Engine
 from tests.vllm.helpers import NS, WAIT_S, metric, prompt
-from tests.vllm.lora import write_adapter
 from tests.vllm.model import BLOCK_TOKENS
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -41,48 +40,11 @@ so a prompt of whole blocks would load one block less."""
 OUT_TOKENS = 8
 LOGPROB_TOL = 0.05
 """bf16 KV: a loaded prefix and a recomputed one may differ in the last bits."""
-LORAS = {"a": 1, "b": 2}
-"""Adapter name -> vLLM's lora_int_id (and the seed of its random weights)."""
 EXTERNAL = "vllm:external_prefix_cache_hits"
 LOADED = "kvdir:loaded_blocks_total"
 LOOKUPS = "kvdir:lookups_total"
 BLOCKS = PROMPT_TOKENS // BLOCK_TOKENS
 FULL = BLOCKS * BLOCK_TOKENS
-
-
-@dataclass
-class Nodes:
-    cluster: LocalCluster
-    lora_dir: str
-    engines: dict[str, Engine]
-    agents: dict[str, LocalAgent]
-
-
-@pytest.fixture(scope="module")
-def nodes(
-    cluster: LocalCluster, model_dir: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Nodes]:
-    base = str(tmp_path_factory.mktemp("lora-nodes"))
-    lora_dir = str(tmp_path_factory.mktemp("loras"))
-    for name, seed in LORAS.items():
-        write_adapter(lora_dir, name, seed)
-    agents: dict[str, LocalAgent] = {}
-    engines: dict[str, Engine] = {}
-    try:
-        for name in ("a", "b"):
-            agents[name] = start_agent(cluster, base, name, "tcp,shm")
-        for name, agent in agents.items():
-            ktc = connector_config(agent.engine_socket)  # its lookup deadline: engines.py
-            engines[name] = Engine(name, model_dir, f"{base}/{name}-engine.log", ktc, lora_dir)
-            engines[name].launch()  # both start at once
-        for e in engines.values():
-            e.wait_ready()
-        yield Nodes(cluster, lora_dir, engines, agents)
-    finally:
-        for e in engines.values():
-            e.stop()
-        for a in agents.values():
-            a.stop()
 
 
 def out(engine: Engine, tokens: list[int], lora: str, salt: str | None = None) -> dict[str, Any]:
@@ -138,16 +100,16 @@ def counters(engine: Engine) -> tuple[float, float, float]:
 
 
 @pytest.mark.timeout(1500)
-def test_two_lora_names_never_share_a_block(nodes: Nodes) -> None:
-    a, b = nodes.engines["a"], nodes.engines["b"]
+def test_two_lora_names_never_share_a_block(pair: Pair) -> None:
+    a, b = pair.engines["a"], pair.engines["b"]
     p = prompt(61, PROMPT_TOKENS)
-    under_a = lora_keys(p, "a", f"{nodes.lora_dir}/a")
-    under_b = lora_keys(p, "b", f"{nodes.lora_dir}/b")
+    under_a = lora_keys(p, "a", f"{pair.lora_dir}/a")
+    under_b = lora_keys(p, "b", f"{pair.lora_dir}/b")
     assert not set(under_a) & set(under_b)
 
     assert out(a, p, "a")["cached"] == 0
-    wait_holds(nodes.cluster, under_a, "a")  # A's blocks are published under "a"
-    assert holders(nodes.cluster, under_b) == {}
+    wait_holds(pair.cluster, under_a, "a")  # A's blocks are published under "a"
+    assert holders(pair.cluster, under_b) == {}
 
     ext0, loaded0, lookups0 = counters(b)
     other = out(b, p, "b")
@@ -164,7 +126,7 @@ def test_two_lora_names_never_share_a_block(nodes: Nodes) -> None:
     assert ref_a["tokens"] != other["tokens"]
 
     ext1, loaded1, _ = counters(b)
-    wait_agent_sees(nodes.agents["b"].engine_socket, NS, under_a, "a", BLOCKS)  # its mirror
+    wait_agent_sees(pair.daemon_b.cfg.engine_socket, NS, under_a, "a", BLOCKS)  # its mirror
     same = out(b, p, "a")
     ext2, loaded2, _ = counters(b)
     assert same["cached"] == FULL
