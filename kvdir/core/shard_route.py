@@ -33,7 +33,8 @@ _MIX = np.uint64(0x9E3779B97F4A7C15)
 """Fibonacci hashing: the home slot is the top bits of key * 2^64/phi, which spreads
 keys that are not uniform (small integers) as well as keys that are."""
 _EMPTY = -1
-VECTOR_ROUNDS = 2
+SCALAR_KEYS_MAX = 16
+"""Keys left unsettled by the vectorized probe rounds that are probed one by one."""
 LOAD_INVERSE = 4
 """At most a quarter full: a probe ends at the first slot for ~85% of keys, by the
 third for nearly all (at half full, a quarter of them needed more)."""
@@ -71,12 +72,13 @@ class _Memo64:
         out = np.where(hit, v, np.int16(_EMPTY))
         pending = np.flatnonzero(~hit & (v != _EMPTY))  # another key's slot: go on
         slot = (slot[pending] + 1) & mask
-        # Then rounds over the few left; a round costs several numpy calls whatever it
-        # settles, and the longest probe sequence is tens of slots, so the keys left
-        # after VECTOR_ROUNDS are probed one by one.
-        for _ in range(VECTOR_ROUNDS):
-            if not len(pending):
-                return out
+        # Then rounds over the keys left while there are more than a few: a round costs
+        # about ten numpy calls (~1 us each on the 2-core host) whatever it settles, a
+        # key probed alone with Python ints a fraction of a microsecond per slot, and
+        # the longest probe sequence is tens of slots. A chain of 500 remembered keys:
+        # 35 us with 16 left to the loop (40 with 8, 42 with 64; two rounds and then
+        # numpy scalars one by one, as before: 45).
+        while len(pending) > SCALAR_KEYS_MAX:
             v = self.vals[slot]
             hit = (v != _EMPTY) & (self.keys[slot] == keys[pending])
             out[pending[hit]] = v[hit]
@@ -84,10 +86,10 @@ class _Memo64:
             pending, slot = pending[on], (slot[on] + 1) & mask
         table_keys, table_vals = self.keys, self.vals
         for i, first in zip(pending.tolist(), slot.tolist(), strict=True):
-            k, s = keys[i], first
-            while table_vals[s] != _EMPTY:  # the table is never full: this ends
-                if table_keys[s] == k:
-                    out[i] = table_vals[s]
+            k, s = keys.item(i), first  # Python ints: a numpy scalar compare costs more
+            while (val := table_vals.item(s)) != _EMPTY:  # the table is never full: this ends
+                if table_keys.item(s) == k:
+                    out[i] = val
                     break
                 s = (s + 1) & mask
         return out
