@@ -172,8 +172,8 @@ class Plans:
     def __init__(self, router: Router, blocks_max: int = PLAN_BLOCKS_MAX) -> None:
         self.router = router
         self.blocks_max = blocks_max
-        self._plans: dict[tuple[int, bytes], Plan] = {}
-        """By (hash width, the chain's packed hashes): insertion order is age."""
+        self._plans: dict[tuple[int, int, bytes], tuple[bytes, Plan]] = {}
+        """(the chain's packed hashes, its plan) by `_key`: insertion order is age."""
         self._blocks = 0
         self._lock = threading.Lock()
         """Held to make and keep a plan (the router's memo is not thread-safe); a
@@ -182,20 +182,22 @@ class Plans:
         """Plans made (lookups whose chain was not remembered)."""
 
     def plan(self, chain: Chain) -> Plan:
-        key = (chain.width, chain.data)
-        if chain.packed:
-            got = self._plans.get(key)
-            if got is not None:
-                return got
+        if not chain.packed:  # mixed widths (rare): planned every time
+            with self._lock:
+                self.made += 1
+                return Plan.of(chain, self._route(chain))
+        key = _key(chain)
+        got = self._plans.get(key)
+        if got is not None and got[0] == chain.data:
+            return got[1]
         with self._lock:
-            if chain.packed:
-                got = self._plans.get(key)
-                if got is not None:  # made by another thread meanwhile
-                    return got
+            got = self._plans.get(key)
+            if got is not None and got[0] == chain.data:  # made by another thread meanwhile
+                return got[1]
             p = Plan.of(chain, self._route(chain))
             self.made += 1
-            if chain.packed and len(chain) <= self.blocks_max:
-                self._keep(key, p)
+            if len(chain) <= self.blocks_max:
+                self._keep(key, chain.data, p)
             return p
 
     def _route(self, chain: Chain) -> dict[str, npt.NDArray[np.int64]]:
@@ -206,10 +208,23 @@ class Plans:
             return self.router.positions_packed(chain.data, chain.width)
         return self.router.positions(chain.items())
 
-    def _keep(self, key: tuple[int, bytes], p: Plan) -> None:
-        """Under `_lock`: the oldest plans go until `p` fits."""
+    def _keep(self, key: tuple[int, int, bytes], data: bytes, p: Plan) -> None:
+        """Under `_lock`: the oldest plans go until `p` fits (a plan under the same key
+        for another chain is replaced)."""
+        old = self._plans.pop(key, None)
+        if old is not None:
+            self._blocks -= old[1].blocks
         while self._blocks + p.blocks > self.blocks_max:
             oldest = next(iter(self._plans))
-            self._blocks -= self._plans.pop(oldest).blocks
-        self._plans[key] = p
+            self._blocks -= self._plans.pop(oldest)[1].blocks
+        self._plans[key] = (data, p)
         self._blocks += p.blocks
+
+
+def _key(chain: Chain) -> tuple[int, int, bytes]:
+    """A packed chain's key among the plans: its width, length and last two hashes.
+    Hashing the whole chain (4 KB for 500 blocks, a new bytes object per request)
+    cost more than the rest of finding its plan; the chain's bytes are compared
+    with the plan's once found (one memcmp), so two chains with the same key just
+    take turns."""
+    return chain.width, chain.n, chain.data[-2 * chain.width :]

@@ -225,6 +225,12 @@ def test_plans_are_remembered_and_bounded() -> None:
     assert plans._blocks <= 100
     assert plans.plan(chains[0]) is not first  # the oldest went first
     assert plans.plan(chains[-1]) is plans.plan(chains[-1])
+    # Two chains that end alike (one key among the plans): each gets its own plan.
+    tail = [b"t" * 8, b"u" * 8]
+    a, b = Chain.of([b"a" * 8, *tail]), Chain.of([b"b" * 8, *tail])
+    for c in (a, b, a, b):
+        for part in plans.plan(c).parts:
+            assert part.chain.items() == [c.item(int(i)) for i in part.positions]
 
 
 @pytest.mark.parametrize("seed", range(20))
