@@ -95,33 +95,13 @@ class Plan:
         lead_run = int(parts[1].positions[0]) if len(parts) > 1 else n
         return cls(n, parts, tuple(len(p.positions) for p in parts), lead_run, order)
 
-    def bounds(self, prefixes: Sequence[Mapping[str, int] | None]) -> dict[str, int]:
-        """Each holder's prefix of the whole chain (0 left out) from its prefix of each
-        part (`prefixes[i]`: parts[i]'s group's answer as {holder: prefix of the part};
-        None: the group is not read, its blocks count as absent).
-
-        `shard_merge.prefix_bounds` with the parts' lengths at hand: a holder holds
-        the chain up to its first block missing from some part (that part's
-        position at the holder's prefix of it)."""
-        holders = {h for got in prefixes if got is not None for h in got}
-        out = {}
-        for h in holders:
-            bound = self.blocks
-            for part, n, got in zip(self.parts, self.sizes, prefixes, strict=True):
-                k = 0 if got is None else got.get(h, 0)
-                if k < n:
-                    bound = min(bound, part.positions.item(k))
-            if bound > 0:
-                out[h] = bound
-        return out
-
     def records(self, prefix: int, got: Sequence[RecordColumns | None]) -> PackedRecords:
         """One holder's records of chain blocks 0..prefix-1, in chain order, from each
         part's records (`got[i]`: parts[i]'s group's records of the holder's prefix
         of that part, None where it holds none of it).
 
-        Each part's records must cover its blocks below `prefix` (as `bounds`
-        computes it from the same answers)."""
+        Each part's records must cover its blocks below `prefix` (as the merge's
+        bound, computed from the same answers, makes sure)."""
         whole = True  # every part's records cover the whole part
         for part, n, rec in zip(self.parts, self.sizes, got, strict=True):
             held = 0 if rec is None else len(rec[4])  # tiers: one byte per block

@@ -55,6 +55,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
+
 from kvdir.core.client import DirectoryError, lookup_request
 from kvdir.core.mirror import (
     MAX_STALENESS_S_DEFAULT,
@@ -257,36 +260,54 @@ class ShardedMirror(ChainLookups):
         omit_records: bool,
     ) -> tuple[list[Merged], tuple[int, int] | None]:
         """Each fresh group's table asked for its part of the chain, the answers
-        merged (`Plan.bounds`, `Plan.records`) straight from the tables' matches:
-        no request or answer message per group (they cost 4-5x the lookups at 4
-        groups). Also the lead group's read indexes (None: it is stale), which the
-        answer reflects."""
-        prefixes: list[dict[str, int] | None] = []
-        nodes: dict[str, NodeState] = {}
-        read: tuple[int, int] | None = None
-        columns: list[dict[str, RecordColumns]] = []
-        for i, part in enumerate(plan.parts):
+        merged straight from the tables' matches: no request or answer message per
+        group (they cost 4-5x the lookups at 4 groups). Also the lead group's read
+        indexes (None: it is stale), which the answer reflects.
+
+        The merge is `shard_merge.prefix_bounds`' (tests/unit/test_shard_plan.py
+        checks the two agree), made as the groups answer: a holder's prefix starts
+        with block 0, so only the lead's holders can have one; each group's answer
+        bounds each holder's prefix by the group's first block the holder lacks (a
+        stale group: its first block). Once no bound reaches a part's first block,
+        that part and every later one (parts come in first-block order) can lower
+        no prefix and hold no record of one, so they are not asked."""
+        parts, sizes = plan.parts, plan.sizes
+        if not fresh[0]:  # every prefix ends at block 0, the lead's
+            return [], None
+        columns: list[dict[str, RecordColumns] | None] = [None] * len(parts)
+        m = self.mirrors[parts[0].group_id]
+        with m.lock:  # records read under the lock that keeps their slots
+            found = m.holder_prefixes(ns, parts[0].chain, max_nodes, exclude_node)
+            read = m.read_indexes()
+            if not omit_records:
+                cols = m.table.record_columns
+                columns[0] = {node.node_id: cols(slots) for node, slots in found}
+        nodes = {node.node_id: node for node, _ in found}
+        bounds = dict.fromkeys(nodes, plan.blocks)
+        _bound(bounds, parts[0].positions, sizes[0], {x.node_id: len(s) for x, s in found})
+        for i in range(1, len(parts)):
+            part = parts[i]
+            if not bounds or max(bounds.values()) <= part.positions.item(0):
+                break
             if not fresh[i]:
-                prefixes.append(None)  # its blocks count as absent
-                columns.append({})
+                _bound(bounds, part.positions, sizes[i], {})  # its blocks count as absent
                 continue
             m = self.mirrors[part.group_id]
-            with m.lock:  # records read under the lock that keeps their slots
+            with m.lock:
                 found = m.holder_prefixes(ns, part.chain, max_nodes, exclude_node)
-                if i == 0:  # the lead: owns block 0, so every holder's details
-                    nodes = {node.node_id: node for node, _ in found}
-                    read = m.read_indexes()
                 if not omit_records:
                     cols = m.table.record_columns
-                    columns.append({node.node_id: cols(slots) for node, slots in found})
-            prefixes.append({node.node_id: len(slots) for node, slots in found})
-        bounds = plan.bounds(prefixes)
-        best = sorted(bounds.items(), key=lambda x: (-x[1], x[0]))[:max_nodes]
+                    columns[i] = {node.node_id: cols(slots) for node, slots in found}
+            _bound(bounds, part.positions, sizes[i], {x.node_id: len(s) for x, s in found})
+        held = [x for x in bounds.items() if x[1] > 0]
+        best = sorted(held, key=lambda x: (-x[1], x[0]))[:max_nodes]
         return [
             Merged(
-                nodes[node_id],  # a prefix > 0 starts with the lead's block 0
+                nodes[node_id],
                 prefix,
-                None if omit_records else plan.records(prefix, [c.get(node_id) for c in columns]),
+                None
+                if omit_records
+                else plan.records(prefix, [None if c is None else c.get(node_id) for c in columns]),
             )
             for node_id, prefix in best
         ], read
@@ -318,6 +339,17 @@ class ShardedMirror(ChainLookups):
         """Each group's (applied index, table digest): equal to that group's replicas'
         ClusterStatus digest at the same index (unfiltered mirrors)."""
         return {g: m.digest() for g, m in self.mirrors.items()}
+
+
+def _bound(
+    bounds: dict[str, int], positions: npt.NDArray[np.int64], n: int, held: dict[str, int]
+) -> None:
+    """Lower each holder's bound to the chain position of its first block missing from
+    a part (`held`: each holder's prefix of the part; `n`: the part's blocks)."""
+    for h, bound in bounds.items():
+        k = held.get(h, 0)
+        if k < n:
+            bounds[h] = min(bound, positions.item(k))
 
 
 class ShardedMirrorSync:

@@ -234,7 +234,7 @@ def test_plans_are_remembered_and_bounded() -> None:
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_plan_bounds_and_records_follow_the_merge(seed: int) -> None:
+def test_plan_records_follow_the_merge(seed: int) -> None:
     rng = random.Random(seed)
     groups = rng.randrange(1, 5)
     m = even_map([Group(f"g{i}", (f"h:{i}",)) for i in range(groups)], 3)
@@ -250,8 +250,7 @@ def test_plan_bounds_and_records_follow_the_merge(seed: int) -> None:
         else:
             prefixes.append({h: rng.randrange(len(p.positions) + 1) for h in holders})
     groups_prefixes = {p.group_id: got for p, got in zip(plan.parts, prefixes, strict=True)}
-    bounds = plan.bounds(prefixes)
-    assert bounds == prefix_bounds(len(hs), pos, groups_prefixes)
+    bounds = prefix_bounds(len(hs), pos, groups_prefixes)
     for h, prefix in bounds.items():
         got = []
         for p, per in zip(plan.parts, prefixes, strict=True):
