@@ -33,18 +33,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvdir.agent.gpu_pool import pin_host
 from kvdir.agent.pool import HEADER_BYTES, KvPool, valid_prefix
+from kvdir.transfer.base import TransferError
 from kvdir.transfer.cuda_blocks import (
     BlockCopier,
-    PlaneSet,
     external_stream,
     slot_planes,
     vllm_planes,
 )
-from kvdir.transfer.cuda_ipc import CudaIpcChannel, CudaIpcTransport, load_cupy, wait_event
+from kvdir.transfer.cuda_ipc import (
+    CudaIpcChannel,
+    CudaIpcTransport,
+    cuda_errors,
+    load_cupy,
+    wait_event,
+)
 from kvdir.v1 import agent_pb2 as apb
 
+_TO_HOST = 2
+"""cudaMemcpyDeviceToHost."""
 SAVES_PENDING_MAX = 4096
 """Saves in flight per worker; past this `save` refuses (the caller skips the save)."""
 
@@ -101,7 +111,7 @@ class GpuKvMover:
         self.pool = pool
         self.device = device
         self.tier = slot_planes(tier_pointer, g.slots, g.slot_bytes, planes, self.segment_bytes)
-        self.tier_whole = PlaneSet((tier_pointer,), g.slot_bytes, g.slots)
+        self._tier_base = tier_pointer
         self.copier = BlockCopier(device)
         cp = self.cp = load_cupy()
         with cp.cuda.Device(device):
@@ -115,7 +125,6 @@ class GpuKvMover:
                 self._streams = tuple(cp.cuda.Stream(non_blocking=True) for _ in range(2))
                 streams = (self._streams[0].ptr, self._streams[1].ptr)
         self.load_stream, self.save_stream = streams
-        self.host = PlaneSet((pool.data_address,), g.slot_bytes, g.slots)
         self._pending: list[PendingSave] = []
         self._lock = threading.Lock()
 
@@ -179,7 +188,7 @@ class GpuKvMover:
         read = self.copier.launch(self.vllm, block_ids, self.tier, slots, self.segment_bytes, s)
         if hold is not None:
             external_stream(self.cp, hold).wait_event(read)
-        done = self.copier.launch(self.tier_whole, slots, self.host, slots, self.block_bytes, s)
+        done = self._stage(slots, s)
         with self._lock:
             self._pending.append(
                 PendingSave(tag, tuple(hashes), tuple(slots), tuple(block_ids), done)
@@ -193,9 +202,37 @@ class GpuKvMover:
         if not slots:
             return
         s = self.save_stream
-        done = self.copier.launch(self.tier_whole, slots, self.host, slots, self.block_bytes, s)
+        done = self._stage(slots, s)
         with self._lock:
             self._pending.append(PendingSave(tag, tuple(hashes), tuple(slots), (), done))
+
+    def _stage(self, slots: Sequence[int], stream: int) -> Any:
+        """Tier `slots` -> their host copies on `stream`, by the GPU's copy engines: one
+        cudaMemcpyAsync per run of consecutive slots (slot s sits at the same offset in
+        both). Not the copy kernel: a kernel writing host memory holds its SMs for as
+        long as PCIe takes (~20 ms for 1 GiB), and the forward passes running beside
+        it lose them (on the H200 a pull's first forward at 8k tokens ran ~7 ms slower
+        than a local hit's, bench/results/vllm-gpu-2026-12-05-b.md). Returns an event
+        recorded after the last copy."""
+        g = self.pool.geometry
+        ids = np.unique(np.asarray(slots, np.int64))
+        if len(ids) and (int(ids[0]) < 0 or int(ids[-1]) >= g.slots):
+            raise ValueError(f"a slot is outside 0..{g.slots - 1}")
+        cut = np.flatnonzero(np.diff(ids) != 1) + 1
+        starts = ids[np.r_[0, cut]] if len(ids) else ids
+        ends = ids[np.r_[cut - 1, len(ids) - 1]] + 1 if len(ids) else ids
+        cp, sb, host = self.cp, g.slot_bytes, self.pool.data_address
+        try:
+            with cp.cuda.Device(self.device):
+                for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+                    cp.cuda.runtime.memcpyAsync(
+                        host + a * sb, self._tier_base + a * sb, (b - a) * sb, _TO_HOST, stream
+                    )
+                done = cp.cuda.Event(disable_timing=True)
+                done.record(external_stream(cp, stream))
+        except cuda_errors(cp) as e:
+            raise TransferError(f"staging host copies failed: {e}") from e
+        return done
 
     def finished_saves(self) -> list[PendingSave]:
         """Saves whose copies completed, in submission order (announce them stored;
