@@ -64,6 +64,9 @@ EMULATION_TUNING = (
 )
 POLL_S = 0.05
 MAJORITY = 2
+REPLICA_WRITES = 500
+"""The single-replica cut's acknowledged writes per step (before the cut, while the
+victim is down, after its restart); the command line's default."""
 
 
 @dataclass
@@ -178,7 +181,12 @@ def _cut_during_startup(m: vm.Machine, after_s: float, timeout_s: float) -> bool
 
 
 def guest_command(
-    boot: int, scenario: str, final: bool, serve_args: list[str], source: Path
+    boot: int,
+    scenario: str,
+    final: bool,
+    serve_args: list[str],
+    source: Path,
+    replica_writes: int = REPLICA_WRITES,
 ) -> str:
     guest_scenario = "replica" if scenario == "both" and boot == 0 else scenario
     if final or (scenario == "both" and boot > 0):
@@ -191,6 +199,8 @@ def guest_command(
         cmd += " --final"
     elif scenario == "both" and boot == 0:
         cmd += " --then-write"
+    if boot == 0 and scenario in ("replica", "both"):
+        cmd += f" --writes {replica_writes}"
     for a in serve_args:
         cmd += f" --serve-arg={a}"
     return vm.job_script(cmd, source)
@@ -205,6 +215,7 @@ def run(
     write_window_s: float = 45.0,
     early_cut_p: float = 0.15,
     early_cut_window_s: float = 120.0,
+    replica_writes: int = REPLICA_WRITES,
     boot_timeout_s: float = BOOT_TIMEOUT_S,
     log: bool = True,
     kvm: bool | None = None,
@@ -235,7 +246,7 @@ def run(
         (out).mkdir(parents=True, exist_ok=True)
         (out / "acked.txt").write_text("\n".join(map(str, sorted(acked))))
         final = boot == boots - 1
-        job = guest_command(boot, scenario, final, res.serve_args, source)
+        job = guest_command(boot, scenario, final, res.serve_args, source, replica_writes)
         m = vm.start(image, job, out, disks, boot, kvm, source)
         replica_boot = boot == 0 and scenario in ("replica", "both")
         early = not replica_boot and scenario != "replica" and not final
@@ -338,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tcg", action="store_false", dest="kvm", help="emulate (TCG)")
     ap.add_argument("--early-cut-p", type=float, default=0.15)
     ap.add_argument("--write-window-s", type=float, default=45.0)
+    ap.add_argument("--replica-writes", type=int, default=REPLICA_WRITES)
     args = ap.parse_args(argv)
     import tempfile
 
@@ -345,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         res = run(args.cuts, args.seed, work, args.scenario, args.serve_arg,
                   boot_timeout_s=args.boot_timeout_s, kvm=args.kvm,
-                  early_cut_p=args.early_cut_p, write_window_s=args.write_window_s)  # fmt: skip
+                  early_cut_p=args.early_cut_p, write_window_s=args.write_window_s,
+                  replica_writes=args.replica_writes)  # fmt: skip
     except (VmError, PowerCutError) as e:
         print(f"[powercut] {e}", file=sys.stderr)
         return 2
