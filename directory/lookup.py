@@ -228,14 +228,14 @@ def longest_prefixes(
     """(node index, slots of its contiguous prefix) for every holder of block 0: a
     `range` when the prefix is one run of consecutive slots, else an int64 array."""
     ns = table.ns_ids.get(namespace)
-    if ns is None or not len(chain):
-        return []
+    if ns is None or not chain.n:  # attributes, not len() and properties: a sharded
+        return []  # mirror makes this call once per group of every lookup
     blocks = table.blocks[ns]
     s0 = blocks.get(chain.item(0), NIL)
     if s0 == NIL:
         return []
     c = table.col
-    if chain.packed:
+    if chain.width:  # packed
         # Only the holders of block 0 can hold a prefix: follow each one's runs.
         starts = _holder_starts(c, s0, exclude)
         return [(n, _follow_runs(blocks, c, chain, ns, s)) for n, s in starts]
@@ -274,7 +274,7 @@ def _follow_runs(blocks: BlockIndex, c: Columns, chain: Chain, ns: int, s0: int)
     best tier wins. One clean run is a `range` and several are `Runs` (no
     slot list is built); a prefix with a re-resolved block is an int64 array.
     """
-    n, node = len(chain), c.node[s0]
+    n, node = chain.n, c.node[s0]
     nslots = len(c.key)
     runs: list[Any] = []
     i, s = 0, s0

@@ -165,7 +165,7 @@ def _packed_chain(req: pb.LookupRequest, limit: int) -> Chain:
 
 def chain(req: pb.LookupRequest, limit: int) -> Chain:
     """A lookup's chain in its cheapest form (packed whenever the widths agree)."""
-    if req.packed_hashes or req.hash_width:
+    if req.hash_width or req.packed_hashes:  # the width first: reading the bytes copies them
         return _packed_chain(req, limit)
     if req.block_ids and not req.block_hashes:
         n = len(req.block_ids)
