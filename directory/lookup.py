@@ -236,6 +236,13 @@ def longest_prefixes(
         return []
     c = table.col
     if chain.width:  # packed
+        if c.bnext[s0] == NIL:  # block 0 has one holder: no walk
+            node = c.node[s0]
+            if node == exclude:
+                return []
+            if _whole_run(c, chain, ns, s0, node):
+                return [(node, range(s0, s0 + chain.n))]
+            return [(node, _follow_runs(blocks, c, chain, ns, s0))]
         # Only the holders of block 0 can hold a prefix: follow each one's runs.
         starts = _holder_starts(c, s0, exclude)
         return [(n, _follow_runs(blocks, c, chain, ns, s)) for n, s in starts]
@@ -248,6 +255,27 @@ def longest_prefixes(
         if bool((v.bnext[h] == NIL).all()):
             return _single_holder(v, h, exclude)
         return _multi_holder(v, h, exclude)
+
+
+def _whole_run(c: Columns, chain: Chain, ns: int, s: int, node: int) -> bool:
+    """Whether slots s.. hold the whole chain for `node`, none of its blocks in two
+    tiers: then `_follow_runs`' answer is that one run. The usual answer (a chain, or
+    a group's part of one, published in one batch), found with one compare per
+    column and none of `_follow_runs`' steps (a 125-block part, one group's of a
+    500-block chain over 4: 4.6 -> 3.1 us). Anything else (False) is left to
+    `_follow_runs`."""
+    n, w = chain.n, chain.width
+    e = s + n
+    return (
+        e <= len(c.key)
+        and c.fp[s:e].tobytes() == chain.fingerprint_bytes()
+        and c.node[s:e].tobytes() == _U32.pack(node) * n
+        and c.ns[s:e].tobytes() == _U32.pack(ns) * n
+        and c.kw[s:e].tobytes() == bytes((w,)) * n
+        and b"\x01" not in c.dual[s:e].tobytes()
+        # Wider hashes: the whole keys too (the slots are the node's: every key set).
+        and (w <= 8 or b"".join(c.key[s:e]) == chain.data)  # type: ignore[arg-type]
+    )
 
 
 def _holder_starts(c: Columns, head: int, exclude: int) -> list[tuple[int, int]]:
