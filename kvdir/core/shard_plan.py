@@ -70,6 +70,8 @@ class Plan:
     """Groups in the order of their first block: parts[0] owns block 0."""
     sizes: tuple[int, ...]
     """Blocks of each part."""
+    firsts: tuple[int, ...]
+    """Each part's first chain position."""
     lead_run: int
     """Blocks from block 0 on that parts[0] owns before another group's first."""
     order: npt.NDArray[np.intp]
@@ -93,7 +95,9 @@ class Plan:
         order = np.empty(n, np.intp)
         order[np.concatenate([p.positions for p in parts])] = np.arange(n)
         lead_run = int(parts[1].positions[0]) if len(parts) > 1 else n
-        return cls(n, parts, tuple(len(p.positions) for p in parts), lead_run, order)
+        sizes = tuple(len(p.positions) for p in parts)
+        firsts = tuple(int(p.positions[0]) for p in parts)
+        return cls(n, parts, sizes, firsts, lead_run, order)
 
     def records(self, prefix: int, got: Sequence[RecordColumns | None]) -> PackedRecords:
         """One holder's records of chain blocks 0..prefix-1, in chain order, from each

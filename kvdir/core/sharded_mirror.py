@@ -55,9 +55,6 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-import numpy.typing as npt
-
 from kvdir.core.client import DirectoryError, lookup_request
 from kvdir.core.mirror import (
     MAX_STALENESS_S_DEFAULT,
@@ -271,36 +268,37 @@ class ShardedMirror(ChainLookups):
         stale group: its first block). Once no bound reaches a part's first block,
         that part and every later one (parts come in first-block order) can lower
         no prefix and hold no record of one, so they are not asked."""
-        parts, sizes = plan.parts, plan.sizes
         if not fresh[0]:  # every prefix ends at block 0, the lead's
             return [], None
+        parts, sizes, firsts = plan.parts, plan.sizes, plan.firsts
         columns: list[dict[str, RecordColumns] | None] = [None] * len(parts)
-        m = self.mirrors[parts[0].group_id]
-        with m.lock:  # records read under the lock that keeps their slots
-            found = m.holder_prefixes(ns, parts[0].chain, max_nodes, exclude_node)
-            read = m.read_indexes()
-            if not omit_records:
-                cols = m.table.record_columns
-                columns[0] = {node.node_id: cols(slots) for node, slots in found}
-        nodes = {node.node_id: node for node, _ in found}
-        bounds = dict.fromkeys(nodes, plan.blocks)
-        _bound(bounds, parts[0].positions, sizes[0], {x.node_id: len(s) for x, s in found})
-        for i in range(1, len(parts)):
-            part = parts[i]
-            if not bounds or max(bounds.values()) <= part.positions.item(0):
+        nodes: dict[str, NodeState] = {}
+        bounds: dict[str, int] = {}
+        read: tuple[int, int] | None = None
+        for i, part in enumerate(parts):
+            if i and (not bounds or max(bounds.values()) <= firsts[i]):
                 break
-            if not fresh[i]:
-                _bound(bounds, part.positions, sizes[i], {})  # its blocks count as absent
-                continue
-            m = self.mirrors[part.group_id]
-            with m.lock:
-                found = m.holder_prefixes(ns, part.chain, max_nodes, exclude_node)
-                if not omit_records:
-                    cols = m.table.record_columns
-                    columns[i] = {node.node_id: cols(slots) for node, slots in found}
-            _bound(bounds, part.positions, sizes[i], {x.node_id: len(s) for x, s in found})
-        held = [x for x in bounds.items() if x[1] > 0]
-        best = sorted(held, key=lambda x: (-x[1], x[0]))[:max_nodes]
+            held: dict[str, int] = {}  # a stale group: its blocks count as absent
+            if fresh[i]:
+                m = self.mirrors[part.group_id]
+                with m.lock:  # records read under the lock that keeps their slots
+                    found = m.holder_prefixes(ns, part.chain, max_nodes, exclude_node)
+                    if not i:
+                        read = m.read_indexes()
+                    if not omit_records:
+                        cols = m.table.record_columns
+                        columns[i] = {node.node_id: cols(slots) for node, slots in found}
+                if not i:  # the lead: its holders are the only ones with a prefix
+                    nodes = {node.node_id: node for node, _ in found}
+                    bounds = dict.fromkeys(nodes, plan.blocks)
+                held = {node.node_id: len(slots) for node, slots in found}
+            n, positions = sizes[i], part.positions
+            for h, bound in bounds.items():  # the first block of this part h lacks
+                k = held.get(h, 0)
+                if k < n and (at := positions.item(k)) < bound:
+                    bounds[h] = at
+        prefixes = [x for x in bounds.items() if x[1] > 0]
+        best = sorted(prefixes, key=lambda x: (-x[1], x[0]))[:max_nodes]
         return [
             Merged(
                 nodes[node_id],
@@ -339,17 +337,6 @@ class ShardedMirror(ChainLookups):
         """Each group's (applied index, table digest): equal to that group's replicas'
         ClusterStatus digest at the same index (unfiltered mirrors)."""
         return {g: m.digest() for g, m in self.mirrors.items()}
-
-
-def _bound(
-    bounds: dict[str, int], positions: npt.NDArray[np.int64], n: int, held: dict[str, int]
-) -> None:
-    """Lower each holder's bound to the chain position of its first block missing from
-    a part (`held`: each holder's prefix of the part; `n`: the part's blocks)."""
-    for h, bound in bounds.items():
-        k = held.get(h, 0)
-        if k < n:
-            bounds[h] = min(bound, positions.item(k))
 
 
 class ShardedMirrorSync:
