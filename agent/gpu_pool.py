@@ -41,7 +41,7 @@ import numpy as np
 
 from kvdir.agent.pool import KvPool
 from kvdir.transfer.base import TransferError
-from kvdir.transfer.cuda_blocks import PLANES_MAX, BlockCopier, PlaneSet, slot_planes
+from kvdir.transfer.cuda_blocks import PLANES_MAX, BlockCopier, slot_planes
 from kvdir.transfer.cuda_ipc import GpuBuffer, cuda_errors, load_cupy, wait_event
 
 log = logging.getLogger("kvdir.agent.gpu")
@@ -74,6 +74,21 @@ def slots_of(base: int, slot_bytes: int, slots: int, addresses: np.ndarray) -> n
     slot = off // sb
     ok = (a >= b) & (off % sb == 0) & (slot < np.uint64(slots))
     return np.where(ok, slot.astype(np.int64), -1)
+
+
+def slot_runs(slots: Sequence[int] | np.ndarray, count: int) -> list[tuple[int, int]]:
+    """`slots` as runs [a, b) of consecutive slot numbers, ascending, each once (one
+    copy per run where source and destination share the slot grid); ValueError for a
+    slot outside 0..count-1."""
+    ids = np.unique(np.asarray(slots, np.int64))
+    if not len(ids):
+        return []
+    if int(ids[0]) < 0 or int(ids[-1]) >= count:
+        raise ValueError(f"a slot is outside 0..{count - 1}")
+    cut = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = ids[np.r_[0, cut]].tolist()
+    ends = (ids[np.r_[cut - 1, len(ids) - 1]] + 1).tolist()
+    return list(zip(starts, ends, strict=True))
 
 
 PIECE_BYTES_MAX = 64 << 10
@@ -143,26 +158,26 @@ class GpuTier:
         return self.address + slot * self.slot_bytes
 
     def upload(self, slots: Sequence[int], timeout_s: float) -> None:
-        """Host copies of `slots` (fetched over a host path) into the device slots:
-        one kernel reading the page-locked pool, or one copy per slot if unpinned."""
+        """Host copies of `slots` (fetched over a host path) into the device slots by the
+        GPU's copy engines: one cudaMemcpyAsync per run of consecutive slots (slot s sits
+        at the same offset in both), then a wait. Not the copy kernel: a kernel reading
+        host memory holds its SMs for as long as PCIe takes, beside other engines'
+        forward passes on this GPU."""
         if not slots:
             return
         deadline = time.perf_counter() + timeout_s
         cp = load_cupy()
-        if not self.pinned_host:
-            with cp.cuda.Device(self.device):
-                for s in slots:
-                    cp.cuda.runtime.memcpy(
-                        self.slot_address(s), self.host_data + s * self.slot_bytes,
-                        self.slot_bytes, _HOST_TO_DEVICE,
-                    )  # fmt: skip
-            return
-        if self._copier is None:
-            self._copier = BlockCopier(self.device)
-        host = PlaneSet((self.host_data,), self.slot_bytes, self.slots)
-        dev = PlaneSet((self.address,), self.slot_bytes, self.slots)
-        done = self._copier.launch(host, slots, dev, slots, self.slot_bytes)
+        sb = self.slot_bytes
         try:
+            with cp.cuda.Device(self.device):
+                stream = cp.cuda.Stream.null
+                for a, b in slot_runs(slots, self.slots):
+                    cp.cuda.runtime.memcpyAsync(
+                        self.address + a * sb, self.host_data + a * sb, (b - a) * sb,
+                        _HOST_TO_DEVICE, stream.ptr,
+                    )  # fmt: skip
+                done = cp.cuda.Event(disable_timing=True)
+                done.record(stream)
             wait_event(done, deadline, "upload of host copies to the GPU tier")
         except cuda_errors(cp) as e:
             raise TransferError(f"upload to the GPU tier failed: {e}") from e

@@ -33,9 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from kvdir.agent.gpu_pool import pin_host
+from kvdir.agent.gpu_pool import pin_host, slot_runs
 from kvdir.agent.pool import HEADER_BYTES, KvPool, valid_prefix
 from kvdir.transfer.base import TransferError
 from kvdir.transfer.cuda_blocks import (
@@ -215,16 +213,11 @@ class GpuKvMover:
         than a local hit's, bench/results/vllm-gpu-2026-12-05-b.md). Returns an event
         recorded after the last copy."""
         g = self.pool.geometry
-        ids = np.unique(np.asarray(slots, np.int64))
-        if len(ids) and (int(ids[0]) < 0 or int(ids[-1]) >= g.slots):
-            raise ValueError(f"a slot is outside 0..{g.slots - 1}")
-        cut = np.flatnonzero(np.diff(ids) != 1) + 1
-        starts = ids[np.r_[0, cut]] if len(ids) else ids
-        ends = ids[np.r_[cut - 1, len(ids) - 1]] + 1 if len(ids) else ids
+        runs = slot_runs(slots, g.slots)
         cp, sb, host = self.cp, g.slot_bytes, self.pool.data_address
         try:
             with cp.cuda.Device(self.device):
-                for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+                for a, b in runs:
                     cp.cuda.runtime.memcpyAsync(
                         host + a * sb, self._tier_base + a * sb, (b - a) * sb, _TO_HOST, stream
                     )

@@ -18,7 +18,7 @@ import pytest
 from kvdir.agent import holders
 from kvdir.agent.config import AgentConfig, from_dict
 from kvdir.agent.fetcher import _headers, _sources
-from kvdir.agent.gpu_pool import PIECE_BYTES_MAX, GpuTier, slot_of, slot_pieces
+from kvdir.agent.gpu_pool import PIECE_BYTES_MAX, GpuTier, slot_of, slot_pieces, slot_runs
 from kvdir.agent.pool import KvPool, valid_prefix
 from kvdir.agent.service import PoolState
 from kvdir.core.client import namespace
@@ -124,6 +124,20 @@ def test_a_slot_copy_is_cut_into_equal_word_pieces_of_at_most_64k(slot_bytes: in
         size_f, rest = divmod(slot_bytes, fewer)
         assert rest or size_f % 16 or size_f > PIECE_BYTES_MAX
     assert slot_pieces(2 << 20) == (32, 64 << 10)
+
+
+def test_slots_go_as_runs_of_consecutive_numbers_each_once() -> None:
+    assert slot_runs([], 8) == []
+    assert slot_runs([5, 3, 4, 0, 7, 4], 8) == [(0, 1), (3, 6), (7, 8)]
+    runs = slot_runs(list(range(100, 612)), 1024)  # a reserve handed out in order
+    assert runs == [(100, 612)]
+    rng = random.Random(7)
+    picked = rng.sample(range(4096), 700)
+    covered = [s for a, b in slot_runs(picked, 4096) for s in range(a, b)]
+    assert covered == sorted(picked)
+    for bad in ([-1], [8], [2, 9]):
+        with pytest.raises(ValueError, match="outside"):
+            slot_runs(bad, 8)
 
 
 @pytest.fixture
