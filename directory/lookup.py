@@ -103,12 +103,20 @@ class Chain:
 
     __slots__ = ("_fpb", "_items", "data", "n", "width")
 
-    def __init__(self, data: bytes, width: int, items: list[bytes] | None = None) -> None:
+    def __init__(
+        self,
+        data: bytes,
+        width: int,
+        items: list[bytes] | None = None,
+        fingerprints: bytes | None = None,
+    ) -> None:
+        """`fingerprints`: `fingerprint_bytes()` when the caller has them already (a
+        part of a chain cut out with its fingerprints, kvdir.core.shard_plan)."""
         self.data = data
         self.width = width
         self.n = len(items) if items is not None else (len(data) // width if width else 0)
         self._items = items
-        self._fpb: bytes | None = None
+        self._fpb: bytes | None = fingerprints
 
     @classmethod
     def of(cls, hashes: Sequence[bytes]) -> Chain:
