@@ -30,10 +30,12 @@ each group's part and its fingerprints still cost numpy calls by the dozen
 per lookup, and depend only on the chain and the map, so they are kept per
 chain (`shard_plan.Plans`): a chain asked about again (a waiting request at
 every scheduler step) goes straight to the tables. What a lookup then costs
-is per group (its table's run-following lookup, its records' columns) plus
-one take per record column to interleave them. A 500-block chain, one holder,
-in process on the 2-core host (load 2.6, old and new in turn): 2 groups
-232-246 -> 75-80 us, 4 groups 301-312 -> 101-116 us.
+is per group (its table's lookup of its part, its records' columns) plus three
+takes to interleave a holder's records. A 500-block chain, one holder, in
+process on the 2-core host (load 2.3-2.7 from other work, before and after in
+turn, p50 of 1 s rounds): 2 groups 248-273 -> 70-85 us, 4 groups 325-349 ->
+92-129 us. A chain not seen before still costs its routing and its plan
+(memo probes, split, parts: ~170 us more at 4 groups).
 
 The answer is built as typed values (`merged`: `Merged` holders with their
 records as packed columns); `lookup_message` makes the message of them, and
