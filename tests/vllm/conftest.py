@@ -23,7 +23,7 @@ import pytest
 from kvdir.agent.config import AgentConfig, PoolConfig
 from kvdir.agent.daemon import AgentDaemon
 from kvdir.local import LOOPBACK, LocalAgent, LocalCluster, free_ports
-from tests.vllm.engines import Engine, connector_config, vllm_python
+from tests.vllm.engines import Engine, connector_config, stop_all, vllm_python
 from tests.vllm.lora import write_adapter
 from tests.vllm.model import BLOCK_BYTES, BLOCK_TOKENS, LAYOUT, MODEL_NAME, pool_spec, write_model
 
@@ -134,8 +134,7 @@ def pair(
         pairs.append(Pair(cluster, agent_a, daemon_b, engines, lora_dir))
         yield pairs[0]
     finally:
-        for e in engines.values():
-            e.stop()
+        stop_all(list(engines.values()))
         if daemon_b.fetcher is not None:
             daemon_b.fetcher.after_data = None
         if not (pairs and pairs[0].b_stopped):
