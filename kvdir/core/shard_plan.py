@@ -7,8 +7,8 @@ cutting each group's part out of it and its fingerprints cost more than the
 table lookups themselves: 25-30 numpy calls per lookup whatever the chain's
 length. None of that depends on the tables, only on the chain and the map,
 and chains are asked about again and again (a scheduler asks for every
-waiting request at each step; a conversation's next turn starts with the
-last one's chain). So a `Plan` keeps what a lookup needs of its chain:
+waiting request at each step, the fetch path for what it routed). So a
+`Plan` keeps what a lookup needs of its chain:
 
 - each group's part as a `Chain` with its fingerprints computed (what the
   table's run-following lookup compares);
@@ -20,6 +20,9 @@ last one's chain). So a `Plan` keeps what a lookup needs of its chain:
 
 `Plans` remembers them by the chain's bytes, for one map (a new map, new
 `Plans`), so a remembered plan is never wrong; bounded by the blocks held.
+A chain that extends a remembered one (a conversation's next turn) is
+another chain: its plan is made whole (its hashes' groups come from the
+router's memo, not from the shorter chain's plan).
 """
 
 from __future__ import annotations
