@@ -316,6 +316,10 @@ def _follow_runs(blocks: BlockIndex, c: Columns, chain: Chain, ns: int, s0: int)
     i, s = 0, s0
     while i < n:
         run = _run(c, chain, i, s, min(n - i, nslots - s), ns, node)
+        if run == 0:
+            # The index named a slot whose row does not match the block (only a
+            # damaged row can): the prefix ends here, rather than probing it forever.
+            break
         slots: Any = range(s, s + run)
         if b"\x01" in c.dual[s : s + run].tobytes():
             patched = np.arange(s, s + run, dtype=np.int64)
@@ -363,7 +367,10 @@ def _run_length(blocks: BlockIndex, c: Columns, chain: Chain, ns: int, s0: int) 
     nslots = len(c.key)
     i, s = 0, s0
     while i < n:
-        i += _run(c, chain, i, s, min(n - i, nslots - s), ns, node)
+        run = _run(c, chain, i, s, min(n - i, nslots - s), ns, node)
+        if run == 0:  # a damaged row (see _follow_runs): the prefix ends here
+            break
+        i += run
         if i >= n:
             break
         s = _best_slot(c, blocks.get(chain.item(i), NIL), node)

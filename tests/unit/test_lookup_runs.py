@@ -54,6 +54,22 @@ def test_a_prefix_ends_where_a_later_run_breaks() -> None:
     assert view(t, hashes)[0][1] == 20
 
 
+def test_a_row_that_does_not_match_its_block_ends_the_prefix_and_never_loops() -> None:
+    """The block index names a slot, the slot's row (here its fingerprint, damaged by
+    the test) does not hold that block: the prefix ends there; following runs must
+    not probe that slot again forever."""
+    hashes = chain(30)
+    t = Table()
+    must_register(t, "a")
+    must_register(t, "filler")
+    _split_publish(t, "a", hashes, [10], addr=0)
+    (m,) = t.lookup(NS, hashes, 8)
+    slot = list(m.slots)[10]  # the second run's first slot: reached by a probe
+    t.col.fp[slot] ^= 1
+    assert view(t, hashes)[0][1] == 10
+    assert t.prefix_lengths(NS, Chain.of(hashes), 8) == [("a", 10)]
+
+
 def test_runs_is_a_sequence_of_its_slots() -> None:
     r = Runs([range(5, 8), range(20, 21), range(2, 4)])
     want = [5, 6, 7, 20, 2, 3]
