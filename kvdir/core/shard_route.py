@@ -78,20 +78,30 @@ class _Memo64:
         # the longest probe sequence is tens of slots. A chain of 500 remembered keys:
         # 35 us with 16 left to the loop (40 with 8, 42 with 64; two rounds and then
         # numpy scalars one by one, as before: 45).
-        while len(pending) > SCALAR_KEYS_MAX:
+        # Every probe below is bounded by the table's size: the table is never full
+        # (put grows it first), but a lookup on another thread than a put may see it
+        # mid-change, and an unbounded probe would then spin; a key given up on is
+        # "not remembered" (its group is computed again), never a wrong answer.
+        rounds = mask + 1
+        while len(pending) > SCALAR_KEYS_MAX and rounds:
+            rounds -= 1
             v = self.vals[slot]
             hit = (v != _EMPTY) & (self.keys[slot] == keys[pending])
             out[pending[hit]] = v[hit]
             on = (v != _EMPTY) & ~hit
             pending, slot = pending[on], (slot[on] + 1) & mask
         table_keys, table_vals = self.keys, self.vals
+        size = min(len(table_vals), mask + 1)
         for i, first in zip(pending.tolist(), slot.tolist(), strict=True):
-            k, s = keys.item(i), first  # Python ints: a numpy scalar compare costs more
-            while (val := table_vals.item(s)) != _EMPTY:  # the table is never full: this ends
+            k, s = keys.item(i), first % size  # Python ints: a numpy scalar compare costs more
+            for _ in range(size):
+                val = table_vals.item(s)
+                if val == _EMPTY:
+                    break
                 if table_keys.item(s) == k:
                     out[i] = val
                     break
-                s = (s + 1) & mask
+                s = (s + 1) % size
         return out
 
     def put(self, keys: npt.NDArray[np.uint64], vals: npt.NDArray[np.int16]) -> None:
