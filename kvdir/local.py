@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,14 +30,73 @@ class ClusterError(RuntimeError):
     pass
 
 
-def free_ports(n: int) -> list[int]:
-    """`n` distinct loopback ports that were free a moment ago."""
-    socks = []
+EPHEMERAL_DEFAULT = (32768, 60999)
+PORT_FLOOR = 10_000
+"""Ports below this are left to services a host may run."""
+
+
+def _ephemeral_range() -> tuple[int, int]:
     try:
-        for _ in range(n):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return EPHEMERAL_DEFAULT
+
+
+def _pick_range() -> tuple[int, int]:
+    """The widest span of ports [lo, hi) outside the kernel's ephemeral range.
+
+    A port from bind(('', 0)) comes from the ephemeral range, the same one every
+    outgoing connect() draws its source port from: on a busy host (CI's clusters,
+    Raft's reconnects, gRPC channels) another process's connection could take the
+    port between our pick and our child's bind, and the child exited with "address
+    in use". Ports outside that range are only ever taken by an explicit bind."""
+    elo, ehi = _ephemeral_range()
+    spans = [(PORT_FLOOR, elo), (ehi + 1, 65536)]
+    lo, hi = max(spans, key=lambda s: s[1] - s[0])
+    return (lo, hi) if hi - lo >= 1000 else (elo, ehi + 1)
+
+
+class _PortCursor:
+    """Walks the pick range from a random start, so that two processes picking at
+    once (CI runs two test tiers side by side) rarely try the same ports, and one
+    process never hands out a port again until it has walked the whole range."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lo, self._hi = _pick_range()
+        self._next = self._lo + int.from_bytes(os.urandom(4), "little") % (self._hi - self._lo)
+
+    def take(self, n: int = 1) -> int:
+        """The first of `n` consecutive ports, all inside the pick range."""
+        with self._lock:
+            port = self._next if self._next + n <= self._hi else self._lo
+            self._next = self._lo if port + n >= self._hi else port + n
+            return port
+
+
+_CURSOR = _PortCursor()
+PORT_PICK_ATTEMPTS = 2000
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports that were free a moment ago, from outside the
+    ephemeral range (see `_pick_range`)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(PORT_PICK_ATTEMPTS):
+            if len(socks) == n:
+                break
             s = socket.socket()
-            s.bind((LOOPBACK, 0))
+            try:
+                s.bind((LOOPBACK, _CURSOR.take()))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
+        if len(socks) < n:
+            raise ClusterError(f"no {n} free loopback ports in {PORT_PICK_ATTEMPTS} tries")
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:
@@ -49,9 +109,7 @@ PORT_RUN_ATTEMPTS = 50
 def free_port_run(n: int) -> int:
     """The first of `n` consecutive loopback ports that were all free a moment ago."""
     for _ in range(PORT_RUN_ATTEMPTS):
-        (base,) = free_ports(1)
-        if base + n > 65536:
-            continue
+        base = _CURSOR.take(n)
         socks: list[socket.socket] = []
         try:
             for port in range(base, base + n):
@@ -64,6 +122,25 @@ def free_port_run(n: int) -> int:
             for s in socks:
                 s.close()
     raise ClusterError(f"no {n} consecutive free loopback ports in {PORT_RUN_ATTEMPTS} tries")
+
+
+LOG_TAIL_BYTES = 4096
+LOG_TAIL_LINES = 3
+
+
+def exited(what: str, returncode: int | None, log_path: str | os.PathLike[str]) -> str:
+    """One line: "`what` exited with N" and the last lines of its log (a traceback's
+    last is its error). A CI run keeps only its output, so the reason has to be in
+    the message, not in a file that is gone by the time anyone reads it."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - LOG_TAIL_BYTES))
+            lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines()]
+        tail = " | ".join([ln for ln in lines if ln][-LOG_TAIL_LINES:]) or "(empty log)"
+    except OSError as e:
+        tail = f"(no log: {e.strerror})"
+    return f"{what} exited with {returncode} ({log_path}): {tail}"
 
 
 def wait_for(
@@ -225,7 +302,7 @@ class LocalCluster:
                     and r.proc.returncode not in (0, -signal.SIGKILL, -signal.SIGTERM)
                 ):
                     raise ClusterError(
-                        f"replica {r.replica_id} exited with {r.proc.returncode}; see {r.log_path}"
+                        exited(f"replica {r.replica_id}", r.proc.returncode, r.log_path)
                     )
             leader = self.leader()
             if leader is not None:
@@ -440,7 +517,7 @@ class LocalAgent:
         def ready() -> bool:
             if self.proc is not None and self.proc.poll() is not None:
                 raise ClusterError(
-                    f"agent {self.node_id} exited with {self.proc.returncode}; see {self.log_path}"
+                    exited(f"agent {self.node_id}", self.proc.returncode, self.log_path)
                 )
             with grpc.insecure_channel(f"unix:{self.engine_socket}") as ch:
                 try:

