@@ -77,6 +77,33 @@ def busy_share(c0: tuple[float, float], c1: tuple[float, float]) -> float:
     return (c1[0] - c0[0]) / total if total > 0 else math.nan
 
 
+QUIET_SHARE = 0.25
+QUIET_WINDOW_S = 0.1
+QUIET_WAIT_S_MAX = 5.0
+
+
+def wait_machine_quiet(
+    share: float = QUIET_SHARE,
+    window_s: float = QUIET_WINDOW_S,
+    timeout_s: float = QUIET_WAIT_S_MAX,
+) -> float:
+    """Wait until the machine was busy less than `share` of its CPUs over one `window_s`;
+    the seconds waited, or NaN when `timeout_s` passed first (the caller records it).
+
+    Why a benchmark needs it: a vLLM worker busy-polls its message queue for a second
+    after every step (vLLM 0.32's shm queue readers), so a measurement started right
+    after another engine answered shares a 2-core host with a spinning process, and
+    one started a second later does not."""
+    t0 = time.monotonic()
+    while True:
+        c0 = machine_cpu()
+        time.sleep(window_s)  # the window the share is measured over, not a wait
+        if busy_share(c0, machine_cpu()) < share:
+            return time.monotonic() - t0
+        if time.monotonic() - t0 >= timeout_s:
+            return math.nan
+
+
 def _status_kib(path: str, field: str) -> int:
     try:
         with open(path) as f:

@@ -17,13 +17,17 @@ single timings noisy: `--repeats` takes the median.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
+import math
+import os
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from bench.host import QUIET_SHARE, QUIET_WINDOW_S
 from kvdir import report
 
 DEFAULT_TOKENS = (1024, 2048, 4096)
@@ -45,6 +49,10 @@ def summarize(tokens: int, rows: list[dict[str, Any]]) -> dict[str, Any]:
     out["prefill_saving_s"] = _median(rows, lambda r: r["prefill_saving_s"])
     out["prefill_plain_s"] = _median(rows, lambda r: r["prefill_plain_s"])
     out["save_overhead"] = out["prefill_saving_s"] / out["prefill_plain_s"] - 1
+    waits = [w for r in rows for w in r.get("quiet_waits_s", [])]
+    out["quiet_waits"] = len(waits)
+    out["quiet_timeouts"] = sum(1 for w in waits if math.isnan(w))
+    out["quiet_wait_s_max"] = max((w for w in waits if not math.isnan(w)), default=0.0)
     for t in ("tcp", "shm"):
         pull = [r["pull"][t] for r in rows]
         nbytes = statistics.median(sum(p["loaded_bytes"].values()) for p in pull)
@@ -142,7 +150,15 @@ def markdown(
         "\n## Load path vs the bare transport (same bytes, same run)\n",
         "Load path: the connector's load seconds (reserve, agent fetch, scatter into vLLM's "
         "blocks, announce). Bare: the agent's fetch alone into scratch slots, timed by an "
-        "engine client.\n",
+        "engine client. Each timed step started once the machine was quiet (busy below "
+        f"{QUIET_SHARE:.0%} of its CPUs over {QUIET_WINDOW_S * 1e3:.0f} ms; vLLM's workers "
+        "busy-poll for a second after each step): "
+        + "; ".join(
+            f"{s['tokens']} tokens: {s['quiet_waits']} waits, longest "
+            f"{s['quiet_wait_s_max']:.2f} s, {s['quiet_timeouts']} ran out"
+            for s in summary
+        )
+        + ".\n",
         report.table(
             load,
             [
@@ -223,10 +239,12 @@ def run(args: argparse.Namespace) -> int:
     shape = Shape(layers=args.layers, hidden=args.hidden)
     max_len = max(args.tokens) + TURN_TOKENS + 2 * 32
     raw: dict[int, list[dict[str, Any]]] = {t: [] for t in args.tokens}
-    with (
-        tempfile.TemporaryDirectory(prefix="kvdir-bench-vllm-") as tmp,
-        nodes(tmp, shape, max_len, POOL_SLOTS) as n,
-    ):
+    if args.work_dir:  # kept: the engines' logs say where each load's time went
+        os.makedirs(args.work_dir, exist_ok=True)
+        base_ctx: Any = contextlib.nullcontext(args.work_dir)
+    else:
+        base_ctx = tempfile.TemporaryDirectory(prefix="kvdir-bench-vllm-")
+    with base_ctx as tmp, nodes(tmp, shape, max_len, POOL_SLOTS) as n:
         print(f"==> engines up ({shape.describe()})", flush=True)
         measure(n, shape, WARMUP_TOKENS, TURN_TOKENS, seed=args.seed)
         seed = args.seed + 10

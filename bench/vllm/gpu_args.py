@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="--device cuda: 8b: every engine without vLLM's async scheduling (its default)",
     )  # fmt: skip
     p.add_argument(
-        "--work-dir", default=None, help="--device cuda: logs and pools, kept (default: temp)"
+        "--work-dir", default=None, help="logs (and pools) kept here (default: a temporary folder)"
     )
 
 

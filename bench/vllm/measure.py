@@ -10,6 +10,14 @@ Order, and why:
    path's bytes/s sits next to the bare fetch of the same bytes.
 TTFT is one generate call of one output token (the whole prefill plus the first
 sample); every answer's token is checked against n's recompute.
+
+Every timed step starts on a quiet machine (`wait_machine_quiet`): a vLLM CPU
+worker busy-polls its message queue for a second after each step, so on a 2-core
+host the engine that answered last would otherwise take a core from whatever is
+measured next (the bare fetches ran beside one such spinner and the tcp pull
+beside two: agent reads 6-8x slower in the pull than in the bare fetch of the
+same bytes, 2026-12-05). The pulling engine's own polling during its load is
+part of what is measured. Each wait is recorded; one that ran out is reported.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from bench.host import wait_machine_quiet
 from bench.vllm.engine import BenchEngine
 from bench.vllm.model import BLOCK_TOKENS, Shape
 from bench.vllm.nodes import LOAD_TIMEOUT_MS, Nodes
@@ -112,17 +121,27 @@ def measure(nodes: Nodes, shape: Shape, tokens: int, turn_tokens: int, seed: int
     ns = ns_of(shape)
     p, q, turn = prompt(seed, tokens), prompt(seed + 1, tokens), prompt(seed + 2, turn_tokens)
     chain = vllm_block_digests(p, BLOCK_TOKENS, "sha256")
+    waits: list[float] = []
+
+    def quiet() -> None:
+        waits.append(wait_machine_quiet())
+
+    quiet()
     saving = _one(e["a"], p)
+    quiet()
     plain = _one(e["n"], q)
     _wait_held(nodes, ns, chain, "a")
     for reader in ("b", "c"):  # each agent reads its own mirror of the directory
         wait_agent_sees(nodes.agents[reader].engine_socket, ns, chain, "a", len(chain))
-    bare = {
-        "tcp": bare_fetch(nodes.agents["b"].engine_socket, ns, chain),
-        "shm": bare_fetch(nodes.agents["c"].engine_socket, ns, chain),
-    }
+    bare = {}
+    for transport, reader in (("tcp", "b"), ("shm", "c")):
+        quiet()
+        bare[transport] = bare_fetch(nodes.agents[reader].engine_socket, ns, chain)
+    quiet()
     recompute = _one(e["n"], p + turn)
+    quiet()
     shm = pulled(e["c"], p + turn)
+    quiet()
     tcp = pulled(e["b"], p + turn)
     return {
         "tokens": tokens,
@@ -133,4 +152,5 @@ def measure(nodes: Nodes, shape: Shape, tokens: int, turn_tokens: int, seed: int
         "recompute": recompute,
         "pull": {"shm": shm, "tcp": tcp},
         "check": {"shm": _agrees(shm, recompute), "tcp": _agrees(tcp, recompute)},
+        "quiet_waits_s": waits,
     }
