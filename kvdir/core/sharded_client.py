@@ -199,6 +199,9 @@ class ShardedDirectoryClient(DirectoryRequests):
         self._down_until: dict[str, float] = {}
         self._asked_at = -float("inf")
         self._pool = ThreadPoolExecutor(max_workers=workers_max, thread_name_prefix="kvdir-shards")
+        self._lookups = ThreadPoolExecutor(
+            max_workers=workers_max, thread_name_prefix="kvdir-shard-lookups"
+        )  # apart from writes: a lookup never queues behind a slow publish
         self.home = DirectoryClient(home, timeout_s, retry_unknown, security=security)
         self.map_refreshes = 0
         self.reroutes = 0
@@ -305,6 +308,7 @@ class ShardedDirectoryClient(DirectoryRequests):
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._lookups.shutdown(wait=False, cancel_futures=True)
         for c in {id(c): c for c in [self.home, *self._groups.values(), *self._retired]}.values():
             c.close()
 
@@ -633,15 +637,21 @@ class ShardedDirectoryClient(DirectoryRequests):
         timeout_s: float,
         md: list[tuple[str, str]],
     ) -> dict[str, Any]:
-        """Every group's (method, request) started at once, as a gRPC future on the
-        replica its client prefers (no thread per group: a lookup's parts cost one
-        round trip, not a pool hand-off each); a part that fails goes again through
-        the group's retrying client, whose error (or answer) is that part's."""
+        """Every group's (method, request) at once, each a blocking call on the
+        replica its client prefers, made by the lookup pool's threads; a part that
+        fails goes again through the group's retrying client, whose error (or
+        answer) is that part's.
+
+        Not gRPC futures: a sync channel with no call in flight starts a new thread
+        for each future's completion, and those starts cost more than handing a
+        blocking call to a pool thread (4 groups, 2-core host, 2026-12-05: p50
+        3.3-4.6 ms with futures, 2.8-3.1 ms with the pool; client CPU 1.8-2.2 ->
+        1.3 ms a lookup)."""
         futures = {}
         for g, (method, req) in calls.items():
             c = clients[g]
             stub = getattr(c.stub(c.preferred()), method)
-            futures[g] = stub.future(req, timeout=timeout_s, metadata=md)
+            futures[g] = self._lookups.submit(stub, req, timeout=timeout_s, metadata=md)
         out: dict[str, Any] = {}
         for g, f in futures.items():
             try:
