@@ -142,6 +142,16 @@ def _leader(sc: ShardedCluster, gid: str, timeout_s: float = 30.0) -> Replica:
     raise RuntimeError(f"group {gid}: no agreed leader within {timeout_s:.0f}s")
 
 
+RESEND_TIMEOUT_S = 30.0
+
+
+def _resend(sc: ShardedCluster, reqs: dict[str, list[bytes]]) -> None:
+    for g, rs in reqs.items():
+        with DirectoryClient(sc.clusters[g].grpc_addresses, timeout_s=RESEND_TIMEOUT_S) as c:
+            for r in rs:
+                c.call("Publish", pb.PublishRequest.FromString(r))
+
+
 def _wait_entries(sc: ShardedCluster, want: dict[str, int], timeout_s: float) -> float:
     """Wait until every live replica of every group holds its group's entries."""
     t0 = time.monotonic()
@@ -260,6 +270,14 @@ def publish(s: Size, cfg: Config, pool: WorkerPool) -> None:
     t0 = time.monotonic()
     res = pool.run(tasks, timeout_s=max(600.0, s.entries / 2000))
     window = max(r.finished for r in res) - min(r.started for r in res)
+    failed = sum(r.failed for r in res)
+    if failed:
+        # The workers send to the leader they were given; a leader that changed
+        # mid-load (an election on a saturated host) refuses the rest. The entries
+        # still have to be in for the later phases: sent again, whole, through
+        # clients that follow the leader (a Publish applied twice holds the same).
+        say(f"  {failed} Publish RPCs refused (a leader changed?); sending the load again")
+        _resend(s.cluster, reqs)
     caught = _wait_entries(s.cluster, want, CATCH_UP_S)
     cpu1, rss1 = _replica_cpu(s.cluster), _replica_rss(s.cluster)
     span = time.monotonic() - t0
@@ -271,7 +289,8 @@ def publish(s: Size, cfg: Config, pool: WorkerPool) -> None:
     s.results["publish"] = {
         "entries": s.entries,
         "entries_applied": applied,
-        "rpcs_failed": sum(r.failed for r in res),
+        "rpcs_failed": failed,
+        "valid": failed == 0,
         "wall_s": window,
         "entries_per_s": applied / window if window > 0 else math.nan,
         "entries_per_group": want,
@@ -536,12 +555,14 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
     if one and biggest and biggest is not one:
         a = biggest["publish"]["cpu_s_per_1000_entries_less_idle"]
         b = one["publish"]["cpu_s_per_1000_entries_less_idle"]
+        valid = all(x["publish"].get("valid", True) for x in (one, biggest))
         out.append(
             {
-                "what": f"CPU per entry less idle, {biggest['groups']} groups / 1 group",
+                "what": f"CPU per entry less idle, {biggest['groups']} groups / 1 group"
+                + ("" if valid else " (a load was sent twice: not a result)"),
                 "value": a / b,
                 "target": "<= 1.15",
-                "met": a / b <= 1.15,
+                "met": (a / b <= 1.15) if valid else None,
             }
         )
         a = biggest["publish"]["cpu_s_per_1000_entries"]
@@ -603,7 +624,8 @@ def markdown(data: dict[str, Any]) -> str:
     for k, v in r.get("sizes", {}).items():
         p, m, rp, kl = v["publish"], v["mirror"], v["rpc"], v["kills"]
         lines.append(
-            f"| {k} | {v['replicas']} | {fmt(p['entries_per_s'])} | "
+            f"| {k} | {v['replicas']} | {fmt(p['entries_per_s'])}"
+            f"{'' if p.get('valid', True) else ' (RPCs refused: not a result)'} | "
             f"{p['cpu_s_per_1000_entries']:.3f} ({p['cpu_s_per_1000_entries_less_idle']:.3f}) | "
             f"{p['bytes_per_entry']:.0f} | "
             f"{m['lookup_500']['p50_us']:.1f} | {rp['lookup_500']['p50_ms']:.2f} / "
