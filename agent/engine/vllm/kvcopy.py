@@ -118,13 +118,8 @@ class BlockCopier:
 
     def _copy_out(self, block_ids: Sequence[int], slots: Sequence[int]) -> None:
         n = len(block_ids)
-        if self._rows is not None:
-            runs = paired_runs(block_ids, slots)
-            if len(runs) <= n * RUNS_PER_BLOCK_MAX:
-                for kv_rows, pool_rows in zip(*self._rows, strict=True):
-                    for b, s, k in runs:
-                        pool_rows[s : s + k].copy_(kv_rows[b : b + k])
-                return
+        if self._rows is not None and _by_runs(self._rows[0], self._rows[1], block_ids, slots):
+            return
         si = self._index(slots, torch.device("cpu"))
         bi = self._index(block_ids, self.layers[0].device)
         if self._rows is not None:
@@ -140,13 +135,8 @@ class BlockCopier:
         if not block_ids:
             return
         n = len(block_ids)
-        if self._rows is not None:
-            runs = paired_runs(slots, block_ids)
-            if len(runs) <= n * RUNS_PER_BLOCK_MAX:
-                for kv_rows, pool_rows in zip(*self._rows, strict=True):
-                    for s, b, k in runs:
-                        kv_rows[b : b + k].copy_(pool_rows[s : s + k])
-                return
+        if self._rows is not None and _by_runs(self._rows[1], self._rows[0], slots, block_ids):
+            return
         si = self._index(slots, torch.device("cpu"))
         bi = self._index(block_ids, self.layers[0].device)
         if self._rows is not None:
@@ -178,6 +168,23 @@ def paired_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, 
     starts = np.r_[0, cut]
     lengths = np.diff(np.r_[starts, len(a)])
     return list(zip(a[starts].tolist(), b[starts].tolist(), lengths.tolist(), strict=True))
+
+
+def _by_runs(
+    src: Sequence[torch.Tensor],
+    dst: Sequence[torch.Tensor],
+    src_ids: Sequence[int],
+    dst_ids: Sequence[int],
+) -> bool:
+    """Rows `src_ids` of every layer of `src` into rows `dst_ids` of `dst`, run by run;
+    False (nothing moved) when the ids are too scattered for runs to pay."""
+    runs = paired_runs(src_ids, dst_ids)
+    if len(runs) > len(src_ids) * RUNS_PER_BLOCK_MAX:
+        return False
+    for s_rows, d_rows in zip(src, dst, strict=True):
+        for a, b, k in runs:
+            d_rows[b : b + k].copy_(s_rows[a : a + k])
+    return True
 
 
 def _word_rows(
