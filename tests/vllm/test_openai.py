@@ -68,29 +68,21 @@ class Stack:
     gateway: Gateway
 
 
-AGENT_TRIES = 3
-
-
 def _agent(cluster: LocalCluster, base: Path, name: str, model: ChatModel) -> LocalAgent:
-    """A started agent; a port taken between picking and binding (a busy shared host) is
-    tried again with new ports."""
-    for attempt in range(AGENT_TRIES):
-        agent = LocalAgent(
-            name,
-            str(base),
-            cluster.grpc_addresses,
-            model.pool_spec(POOL_SLOTS),
-            "tcp,shm",
-            lease_ms=15_000,
-        )
-        try:
-            agent.launch(timeout_s=60)
-            return agent
-        except ClusterError:
-            agent.stop()
-            if attempt == AGENT_TRIES - 1:
-                raise
-    raise AssertionError("unreachable")
+    agent = LocalAgent(
+        name,
+        str(base),
+        cluster.grpc_addresses,
+        model.pool_spec(POOL_SLOTS),
+        "tcp,shm",
+        lease_ms=15_000,
+    )
+    try:
+        agent.launch(timeout_s=60)
+    except ClusterError:
+        agent.stop()
+        raise
+    return agent
 
 
 @pytest.fixture(scope="module")
@@ -180,10 +172,11 @@ def _loaded(stack: Stack) -> dict[str, float]:
 def _lookup_counts(stack: Stack) -> dict[str, dict[str, float]]:
     """Why a server loaded nothing: its lookups, those past their deadline, agent outages."""
     names = ("lookups", "lookup_timeouts", "agent_unavailable", "validation_misses")
-    return {
-        n: {k: prom_value(text, f"kvdir:{k}_total") for k in names}
-        for n, text in ((n, s.metrics()) for n, s in stack.servers.items())
-    }
+    out = {}
+    for n, server in stack.servers.items():
+        text = server.metrics()
+        out[n] = {k: prom_value(text, f"kvdir:{k}_total") for k in names}
+    return out
 
 
 @pytest.mark.timeout(1800)
